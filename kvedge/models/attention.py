@@ -1,0 +1,69 @@
+"""The one attention op of kvedge, and the semantics every lowering must reproduce.
+
+    attention(q, k, v, k_cache, v_cache, positions, scale=..., window=..., softcap=...)
+
+- q [B, Hq, L, D]; k, v [B, Hkv, L, D]: the new tokens, RoPE already applied to q and k.
+- k_cache, v_cache [B, Hkv, S_max, D]: preallocated; the new k, v are written in place at `positions`.
+- positions [B, L] int64: each row's absolute positions, contiguous within a row (p0, p0+1, ...).
+  Rows may start at different positions (ragged batches).
+- Query at position p sees cache slot j iff j <= p, and p - j < window when a window is set.
+  For a block of L queries against S = p0 + L keys this is the causal mask aligned right
+  (query i sees keys <= S - L + i), never a square L x L mask.
+- GQA: query head h reads KV head h // (Hq / Hkv). K/V are never repeated to Hq heads.
+- Softmax runs over the key axis, in float32, after masking (masked scores are -inf, not zeroed
+  probabilities), and after the optional softcap tanh(s / c) * c.
+
+Export replaces this function per target (see kvedge.export); the Decoder calls it through
+`Decoder.attention_op`, so there is one model definition for every lowering.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def write_cache(cache: torch.Tensor, new: torch.Tensor, positions: torch.Tensor) -> None:
+    """Write new [B, Hkv, L, D] into cache [B, Hkv, S, D] at positions [B, L], in place."""
+    b, h, l, d = new.shape
+    index = positions[:, None, :, None].expand(b, h, l, d)
+    cache.scatter_(2, index, new)
+
+
+def visible(positions: torch.Tensor, kv_len: int, window: int | None) -> torch.Tensor:
+    """Boolean [B, L, kv_len]: may the query at positions[b, i] see cache slot j."""
+    keys = torch.arange(kv_len, device=positions.device)
+    q = positions[:, :, None]
+    ok = keys <= q
+    if window is not None:
+        ok = ok & (keys > q - window)
+    return ok
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    positions: torch.Tensor,
+    *,
+    scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """Write k, v into the caches at `positions`, then attend q over the cache. Returns [B, Hq, L, D]."""
+    write_cache(k_cache, k, positions)
+    write_cache(v_cache, v, positions)
+    b, hq, l, d = q.shape
+    hkv = k_cache.shape[1]
+    kv_len = int(positions.max()) + 1  # slots past every row's last position are never visible
+    keys = k_cache[:, :, :kv_len].unsqueeze(2)  # [B, Hkv, 1, S, D]: shared by the group, not copied
+    values = v_cache[:, :, :kv_len].unsqueeze(2)
+    qg = q.view(b, hkv, hq // hkv, l, d)  # [B, Hkv, G, L, D]
+    scores = torch.matmul(qg, keys.transpose(-1, -2)).float() * scale  # [B, Hkv, G, L, S]
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    mask = visible(positions, kv_len, window)[:, None, None]  # [B, 1, 1, L, S]
+    scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(q.dtype)
+    return torch.matmul(probs, values).view(b, hq, l, d)

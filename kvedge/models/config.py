@@ -1,0 +1,316 @@
+"""ModelConfig: the one normalized description of a decoder, built from a Hugging Face config.json.
+
+Every architecture kvedge supports is the same `Decoder` with different options; this module is
+where each architecture's quirks become those options.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvedge.errors import ConfigError
+
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3", "gpt2")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+_ACTIVATIONS = {
+    "silu": "silu",
+    "swish": "silu",
+    "gelu": "gelu",
+    "gelu_pytorch_tanh": "gelu_tanh",
+    "gelu_new": "gelu_tanh",
+    "gelu_fast": "gelu_tanh",
+}
+
+
+@dataclass
+class ModelConfig:
+    """Options of the one Decoder. Field names are kvedge's, not any one architecture's."""
+
+    arch: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    norm: str = "rms"  # "rms" | "layer"
+    norm_eps: float = 1e-6
+    norm_unit_offset: bool = False  # gemma: RMSNorm scales by (1 + weight)
+    post_norms: bool = False  # gemma2: norms after attention and after the MLP as well
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False  # qwen3: RMSNorm over head_dim on q and k, before RoPE
+    mlp: str = "glu"  # "glu" (gate * act, fused gate_up) | "plain" (up, act, down)
+    act: str = "silu"  # "silu" | "gelu" | "gelu_tanh"
+    positions: str = "rope"  # "rope" | "learned"
+    max_position_embeddings: int = 2048
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None  # {"rope_type": "linear"|"llama3", ...}
+    partial_rotary_factor: float = 1.0
+    attn_scale: float = 0.0  # 0 means head_dim ** -0.5
+    layer_windows: list[int | None] = field(default_factory=list)  # per layer sliding window
+    attn_softcap: float | None = None
+    final_softcap: float | None = None
+    embed_scale: float = 1.0  # gemma: sqrt(hidden_size)
+    tie_embeddings: bool = False
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    pad_token_id: int | None = None
+    dtype: str = "float32"  # the checkpoint's dtype
+
+    def __post_init__(self) -> None:
+        if not self.layer_windows:
+            self.layer_windows = [None] * self.num_layers
+        if not self.attn_scale:
+            self.attn_scale = self.head_dim**-0.5
+        self.validate()
+
+    # -- derived figures ------------------------------------------------------------------
+    @property
+    def group_size(self) -> int:
+        """Query heads per KV head: 1 is MHA, num_heads is MQA, anything between is GQA."""
+        return self.num_heads // self.num_kv_heads
+
+    @property
+    def attention_kind(self) -> str:
+        if self.num_kv_heads == self.num_heads:
+            return "MHA"
+        return "MQA" if self.num_kv_heads == 1 else "GQA"
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def qkv_size(self) -> int:
+        return (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+
+    def validate(self) -> None:
+        def bad(msg: str) -> ConfigError:
+            return ConfigError(f"{self.arch} config: {msg}")
+
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+                     "intermediate_size"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v <= 0:
+                raise bad(f"{name} must be a positive integer, got {v!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise bad(
+                f"num_attention_heads ({self.num_heads}) is not divisible by num_key_value_heads "
+                f"({self.num_kv_heads}); each KV head must serve a whole group of query heads"
+            )
+        if self.positions == "rope" and self.rotary_dim % 2:
+            raise bad(f"the rotary dimension ({self.rotary_dim}) must be even")
+        if len(self.layer_windows) != self.num_layers:
+            raise bad(f"{len(self.layer_windows)} layer window entries for {self.num_layers} layers")
+        if self.norm not in ("rms", "layer") or self.mlp not in ("glu", "plain"):
+            raise bad(f"unknown norm {self.norm!r} or mlp {self.mlp!r}")
+        if self.act not in set(_ACTIVATIONS.values()):
+            raise bad(f"unknown activation {self.act!r}")
+
+    # -- (de)serialization for the kvedge.json sidecar ------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ConfigError(f"model config has unknown fields {unknown}; was it written by a newer kvedge?")
+        return cls(**d)
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any], source: str = "config.json") -> ModelConfig:
+        """Build from the dict of a Hugging Face config.json (transformers 4.x and 5.x layouts)."""
+        return _from_hf(hf, source)
+
+
+def load_config(model_dir: str | Path) -> ModelConfig:
+    """Read `config.json` from a checkpoint directory (or a path to a config file)."""
+    path = Path(model_dir)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise ConfigError(f"{path}: no config.json here; a Hugging Face checkpoint directory has one")
+    try:
+        hf = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}: malformed JSON at line {e.lineno} column {e.colno}: {e.msg}") from None
+    if not isinstance(hf, dict):
+        raise ConfigError(f"{path}: expected a JSON object, got {type(hf).__name__}")
+    return ModelConfig.from_hf(hf, str(path))
+
+
+# ------------------------------------------------------------------------------------------
+def _from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
+    arch = hf.get("model_type")
+    if arch is None:
+        raise ConfigError(f"{source}: has no 'model_type'; expected one of {', '.join(SUPPORTED_ARCHITECTURES)}")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ConfigError(
+            f"{source}: unknown model_type {arch!r}; kvedge supports {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+
+    def need(*keys: str) -> Any:
+        for k in keys:
+            if hf.get(k) is not None:
+                return hf[k]
+        raise ConfigError(f"{source}: missing required key {keys[0]!r} for model_type {arch!r}")
+
+    dtype = str(hf.get("dtype") or hf.get("torch_dtype") or "float32")
+    common = dict(
+        arch=arch,
+        vocab_size=need("vocab_size"),
+        bos_token_id=hf.get("bos_token_id"),
+        eos_token_id=hf.get("eos_token_id"),
+        pad_token_id=hf.get("pad_token_id"),
+        dtype=dtype,
+    )
+    if arch == "gpt2":
+        return _gpt2(hf, source, need, common)
+
+    hidden = need("hidden_size")
+    heads = need("num_attention_heads")
+    kv_heads = hf.get("num_key_value_heads") or heads
+    head_dim = hf.get("head_dim")
+    if not head_dim:
+        if hidden % heads:
+            raise ConfigError(
+                f"{source}: hidden_size ({hidden}) is not divisible by num_attention_heads ({heads}) "
+                f"and no head_dim is given"
+            )
+        head_dim = hidden // heads
+    layers = need("num_hidden_layers")
+    act_name = hf.get("hidden_activation") or hf.get("hidden_act") or "silu"
+    if act_name not in _ACTIVATIONS:
+        raise ConfigError(f"{source}: unsupported activation {act_name!r}; supported: {sorted(_ACTIVATIONS)}")
+    theta, scaling, partial = _rope(hf, source)
+
+    opts: dict[str, Any] = dict(
+        hidden_size=hidden,
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        intermediate_size=need("intermediate_size"),
+        norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        act=_ACTIVATIONS[act_name],
+        max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        partial_rotary_factor=partial,
+        tie_embeddings=bool(hf.get("tie_word_embeddings", arch in ("gemma", "gemma2"))),
+        layer_windows=_layer_windows(hf, arch, layers),
+    )
+    if arch in ("llama", "qwen3"):
+        bias = bool(hf.get("attention_bias", False))
+        opts.update(qkv_bias=bias, o_bias=bias, mlp_bias=bool(hf.get("mlp_bias", False)))
+    if arch == "qwen2":
+        opts.update(qkv_bias=True)
+    if arch == "qwen3":
+        opts.update(qk_norm=True)
+    if arch in ("gemma", "gemma2"):
+        opts.update(norm_unit_offset=True, embed_scale=float(hidden) ** 0.5,
+                    qkv_bias=bool(hf.get("attention_bias", False)), o_bias=bool(hf.get("attention_bias", False)))
+    if arch == "gemma2":
+        opts.update(
+            post_norms=True,
+            attn_scale=float(hf.get("query_pre_attn_scalar", head_dim)) ** -0.5,
+            attn_softcap=hf.get("attn_logit_softcapping"),
+            final_softcap=hf.get("final_logit_softcapping"),
+        )
+    return ModelConfig(**common, **opts)
+
+
+def _gpt2(hf: dict[str, Any], source: str, need, common: dict[str, Any]) -> ModelConfig:
+    hidden = need("n_embd", "hidden_size")
+    heads = need("n_head", "num_attention_heads")
+    if hidden % heads:
+        raise ConfigError(f"{source}: n_embd ({hidden}) is not divisible by n_head ({heads})")
+    if hf.get("scale_attn_by_inverse_layer_idx"):
+        raise ConfigError(f"{source}: scale_attn_by_inverse_layer_idx=true is not supported")
+    if hf.get("add_cross_attention"):
+        raise ConfigError(f"{source}: add_cross_attention=true is not a decoder-only model")
+    act_name = hf.get("activation_function", "gelu_new")
+    if act_name not in _ACTIVATIONS:
+        raise ConfigError(f"{source}: unsupported activation {act_name!r}; supported: {sorted(_ACTIVATIONS)}")
+    head_dim = hidden // heads
+    return ModelConfig(
+        **common,
+        hidden_size=hidden,
+        num_layers=need("n_layer", "num_hidden_layers"),
+        num_heads=heads,
+        num_kv_heads=heads,
+        head_dim=head_dim,
+        intermediate_size=hf.get("n_inner") or 4 * hidden,
+        norm="layer",
+        norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)),
+        qkv_bias=True,
+        o_bias=True,
+        mlp_bias=True,
+        mlp="plain",
+        act=_ACTIVATIONS[act_name],
+        positions="learned",
+        max_position_embeddings=need("n_positions", "max_position_embeddings"),
+        attn_scale=head_dim**-0.5 if hf.get("scale_attn_weights", True) else 1.0,
+        tie_embeddings=bool(hf.get("tie_word_embeddings", True)),
+    )
+
+
+def _rope(hf: dict[str, Any], source: str) -> tuple[float, dict[str, Any] | None, float]:
+    """(theta, scaling, partial_rotary_factor) from either the 4.x keys or 5.x `rope_parameters`."""
+    params = dict(hf.get("rope_parameters") or {})
+    if "rope_theta" in params and isinstance(params.get("rope_theta"), dict):
+        raise ConfigError(f"{source}: per-layer-type rope_parameters are not supported")
+    legacy = hf.get("rope_scaling") or {}
+    params = {**legacy, **params}
+    theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    partial = float(params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)))
+    rtype = params.get("rope_type") or params.get("type") or "default"
+    if rtype not in SUPPORTED_ROPE_TYPES:
+        raise ConfigError(
+            f"{source}: rope type {rtype!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+        )
+    if rtype == "default":
+        return theta, None, partial
+    if "factor" not in params:
+        raise ConfigError(f"{source}: rope scaling {rtype!r} needs a 'factor'")
+    scaling: dict[str, Any] = {"rope_type": rtype, "factor": float(params["factor"])}
+    if rtype == "llama3":
+        for k in ("low_freq_factor", "high_freq_factor"):
+            if k not in params:
+                raise ConfigError(f"{source}: llama3 rope scaling needs {k!r}")
+            scaling[k] = float(params[k])
+        scaling["original_max_position_embeddings"] = int(
+            params.get("original_max_position_embeddings") or hf.get("max_position_embeddings", 8192)
+        )
+    return theta, scaling, partial
+
+
+def _layer_windows(hf: dict[str, Any], arch: str, layers: int) -> list[int | None]:
+    """Per-layer sliding window, following each architecture's rule in transformers."""
+    window = hf.get("sliding_window")
+    if not window:
+        return [None] * layers
+    types = hf.get("layer_types")
+    if types is None:
+        if arch == "gemma2":  # alternating, first layer sliding
+            types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
+        elif arch in ("qwen2", "qwen3"):
+            start = hf.get("max_window_layers", layers) if hf.get("use_sliding_window") else layers
+            types = ["sliding_attention" if i >= start else "full_attention" for i in range(layers)]
+        else:  # mistral, phi3: every layer
+            types = ["sliding_attention"] * layers
+    elif arch in ("qwen2", "qwen3") and not hf.get("use_sliding_window", False):
+        types = ["full_attention"] * layers
+    if len(types) != layers:
+        raise ConfigError(f"layer_types has {len(types)} entries for {layers} layers")
+    return [int(window) if t == "sliding_attention" else None for t in types]

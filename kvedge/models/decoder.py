@@ -1,0 +1,147 @@
+"""The one PyTorch definition of every supported decoder-only transformer.
+
+Parameter layout is kvedge's own and fused: one `qkv` projection ([q; k; v] rows) and, for GLU
+MLPs, one `up` projection holding [gate; up]. The loader maps each checkpoint format onto it.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvedge.models import rope
+from kvedge.models.attention import attention
+from kvedge.models.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, unit_offset: bool):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+        self.unit_offset = unit_offset
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.unit_offset:  # gemma: scale by (1 + w), computed in float32
+            return (xf * (1.0 + self.weight.float())).to(x.dtype)
+        return self.weight * xf.to(x.dtype)
+
+
+def make_norm(cfg: ModelConfig, dim: int) -> nn.Module:
+    if cfg.norm == "layer":
+        return nn.LayerNorm(dim, eps=cfg.norm_eps)
+    return RMSNorm(dim, cfg.norm_eps, cfg.norm_unit_offset)
+
+
+_ACT: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu,
+    "gelu": F.gelu,
+    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
+}
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, index: int):
+        super().__init__()
+        self.cfg = cfg
+        self.window = cfg.layer_windows[index]
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.attn_norm = make_norm(cfg, h)
+        self.qkv = nn.Linear(h, cfg.qkv_size, bias=cfg.qkv_bias)
+        self.o = nn.Linear(cfg.num_heads * d, h, bias=cfg.o_bias)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(d, cfg.norm_eps, cfg.norm_unit_offset)
+            self.k_norm = RMSNorm(d, cfg.norm_eps, cfg.norm_unit_offset)
+        self.mlp_norm = make_norm(cfg, h)
+        if cfg.post_norms:
+            self.post_attn_norm = make_norm(cfg, h)
+            self.post_mlp_norm = make_norm(cfg, h)
+        up = 2 * cfg.intermediate_size if cfg.mlp == "glu" else cfg.intermediate_size
+        self.up = nn.Linear(h, up, bias=cfg.mlp_bias)
+        self.down = nn.Linear(cfg.intermediate_size, h, bias=cfg.mlp_bias)
+        self.act = _ACT[cfg.act]
+
+    def forward(self, x, positions, cos_sin, k_cache, v_cache, attention_op):
+        cfg = self.cfg
+        b, l, _ = x.shape
+        hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        qkv = self.qkv(self.attn_norm(x))
+        q, k, v = qkv.split((hq * d, hkv * d, hkv * d), dim=-1)
+        q = q.view(b, l, hq, d).transpose(1, 2)
+        k = k.view(b, l, hkv, d).transpose(1, 2)
+        v = v.view(b, l, hkv, d).transpose(1, 2)
+        if cfg.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if cos_sin is not None:
+            q, k = rope.apply_rope(q, *cos_sin), rope.apply_rope(k, *cos_sin)
+        a = attention_op(q, k, v, k_cache, v_cache, positions,
+                         scale=cfg.attn_scale, window=self.window, softcap=cfg.attn_softcap)
+        a = self.o(a.transpose(1, 2).reshape(b, l, hq * d))
+        if cfg.post_norms:
+            a = self.post_attn_norm(a)
+        x = x + a
+        hidden = self.mlp_norm(x)
+        if cfg.mlp == "glu":
+            gate, up = self.up(hidden).chunk(2, dim=-1)
+            m = self.down(self.act(gate) * up)
+        else:
+            m = self.down(self.act(self.up(hidden)))
+        if cfg.post_norms:
+            m = self.post_mlp_norm(m)
+        return x + m
+
+
+class Decoder(nn.Module):
+    """forward(input_ids [B, L], positions [B, L], caches, logit_index=None) -> logits.
+
+    `caches` is a sequence of (k_cache, v_cache) per layer, each [B, Hkv, S_max, D], updated in place.
+    `logit_index` [B] int64 selects one position per row, so only the logits a caller needs are
+    computed (the last real token of each row); without it every position's logits come back.
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        if cfg.positions == "learned":
+            self.pos_embed = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size)
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_layers))
+        self.norm = make_norm(cfg, cfg.hidden_size)
+        if not cfg.tie_embeddings:
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.register_buffer("inv_freq", rope.inv_freq(cfg) if cfg.positions == "rope" else torch.empty(0),
+                             persistent=False)
+        self.attention_op: Callable[..., torch.Tensor] = attention
+
+    def head_weight(self) -> torch.Tensor:
+        return self.embed.weight if self.cfg.tie_embeddings else self.lm_head.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        logit_index: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        cfg = self.cfg
+        x = self.embed(input_ids)
+        if cfg.embed_scale != 1.0:
+            x = x * torch.tensor(cfg.embed_scale, dtype=x.dtype)
+        cs = None
+        if cfg.positions == "learned":
+            x = x + self.pos_embed(positions)
+        else:
+            cs = rope.cos_sin(self.inv_freq, positions, x.dtype)
+        for layer, (k_cache, v_cache) in zip(self.layers, caches, strict=True):
+            x = layer(x, positions, cs, k_cache, v_cache, self.attention_op)
+        if logit_index is not None:
+            x = x[torch.arange(x.shape[0], device=x.device), logit_index][:, None]
+        logits = F.linear(self.norm(x), self.head_weight())
+        if cfg.final_softcap is not None:
+            logits = torch.tanh(logits / cfg.final_softcap) * cfg.final_softcap
+        return logits
