@@ -1,0 +1,75 @@
+"""Shared fixtures: tiny random-weight Hugging Face checkpoints, written with save_pretrained.
+
+transformers is a test-only dependency: it is the independent reference kvedge is compared to.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+_BASE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,
+             num_key_value_heads=2, vocab_size=160, max_position_embeddings=128, initializer_range=0.1,
+             bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+# name -> (model_type, overrides). Together they cover MHA, GQA 2 and 4, MQA and each quirk.
+ARCH_CASES: dict[str, tuple[str, dict]] = {
+    "llama-mha": ("llama", dict(num_key_value_heads=8)),
+    "llama-gqa2-bias": ("llama", dict(num_key_value_heads=4, attention_bias=True, mlp_bias=True)),
+    "llama-gqa4-llama3rope": ("llama", dict(rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
+                                                              high_freq_factor=4.0,
+                                                              original_max_position_embeddings=32),
+                                            rope_theta=500000.0)),
+    "llama-mqa-linearrope": ("llama", dict(num_key_value_heads=1,
+                                           rope_scaling=dict(rope_type="linear", factor=2.0))),
+    "mistral-window": ("mistral", dict(sliding_window=8)),
+    "qwen2-bias": ("qwen2", dict(num_key_value_heads=4)),
+    "qwen3-qknorm": ("qwen3", dict(head_dim=16)),
+    "gemma": ("gemma", dict(num_attention_heads=4, num_key_value_heads=1, head_dim=32)),
+    "gemma2": ("gemma2", dict(num_attention_heads=4, head_dim=16, sliding_window=8, attn_logit_softcapping=5.0,
+                              final_logit_softcapping=10.0, query_pre_attn_scalar=24, num_hidden_layers=3)),
+    "phi3-partialrope": ("phi3", dict(num_key_value_heads=4, sliding_window=10,
+                                      rope_parameters=dict(rope_type="default", rope_theta=10000.0,
+                                                           partial_rotary_factor=0.5))),
+    "gpt2": ("gpt2", dict(n_embd=64, n_layer=2, n_head=4, vocab_size=160, n_positions=128,
+                          initializer_range=0.1, bos_token_id=1, eos_token_id=2)),
+}
+
+
+def hf_config(model_type: str, **overrides):
+    from transformers import AutoConfig
+
+    kw = {} if model_type == "gpt2" else dict(_BASE)
+    kw.update(overrides)
+    return AutoConfig.for_model(model_type, **kw)
+
+
+def save_hf_model(path, model_type: str, seed: int = 0, **overrides):
+    """Build a random-weight transformers model from a config and save it; returns the model (eval)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(hf_config(model_type, **overrides), attn_implementation="eager")
+    model = model.eval().requires_grad_(False)
+    model.save_pretrained(path)
+    return model
+
+
+@pytest.fixture(scope="session")
+def hf_checkpoint(tmp_path_factory):
+    """hf_checkpoint(case) -> (checkpoint dir, transformers model), one per case per session."""
+    made: dict[str, tuple] = {}
+
+    def get(case: str):
+        if case not in made:
+            model_type, overrides = ARCH_CASES[case]
+            path = tmp_path_factory.mktemp(case)
+            made[case] = (path, save_hf_model(path, model_type, **overrides))
+        return made[case]
+
+    return get
