@@ -87,7 +87,7 @@ class Block(nn.Module):
         x = x + a
         hidden = self.mlp_norm(x)
         if cfg.mlp == "glu":
-            gate, up = self.up(hidden).chunk(2, dim=-1)
+            gate, up = self.up(hidden).split(cfg.intermediate_size, dim=-1)
             m = self.down(self.act(gate) * up)
         else:
             m = self.down(self.act(self.up(hidden)))

@@ -1,0 +1,212 @@
+"""`kvedge export`: checkpoint -> model.onnx + tokenizer files + kvedge.json, verified against PyTorch.
+
+The sidecar is written last and atomically: a folder without kvedge.json is not an export, so an
+interrupted or failed export (verification over tolerance included) never looks like a good one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import shutil
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from kvedge.errors import KvedgeError
+from kvedge.export import lowerings
+from kvedge.export.contract import SIDECAR, Sidecar, input_names, io_spec, output_names
+from kvedge.export.graph import ExportGraph
+from kvedge.models import Decoder, KVCache, load_decoder
+from kvedge.models.loader import torch_dtype
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "generation_config.json", "chat_template.jinja", "chat_template.json")
+EXTERNAL_DATA_THRESHOLD = 2 * 1024**3  # protobuf's hard limit for one file
+DTYPES = ("fp32", "fp16", "bf16")
+
+
+@dataclass
+class ExportOptions:
+    dtype: str = "fp32"
+    attention: str = "decomposed"
+    max_seq_len: int = 2048
+    max_batch: int = 4
+    force: bool = False
+    verify: bool = True
+    verify_prompt_len: int = 16
+    verify_steps: int = 16
+
+
+class _Progress:
+    def __init__(self, report: Callable[[str], None] | None):
+        self.report, self.t0 = report, time.perf_counter()
+
+    def __call__(self, msg: str) -> None:
+        if self.report:
+            self.report(f"[{time.perf_counter() - self.t0:6.1f}s] {msg}")
+
+
+def _check_options(model_dir: Path, out_dir: Path, o: ExportOptions, cfg) -> None:
+    if o.dtype not in DTYPES:
+        raise KvedgeError(f"--dtype {o.dtype!r}: expected one of {', '.join(DTYPES)}")
+    low = lowerings.get(o.attention)
+    reasons = low.unsupported(cfg)
+    if reasons:
+        raise KvedgeError(f"the {low.NAME!r} lowering cannot express this {cfg.arch} model: {'; '.join(reasons)}. "
+                          f"Use --attention decomposed (or ort)")
+    if o.max_seq_len < 2 or o.max_batch < 1:
+        raise KvedgeError(f"--max-seq-len must be >= 2 and --max-batch >= 1, got {o.max_seq_len}, {o.max_batch}")
+    if cfg.positions == "learned" and o.max_seq_len > cfg.max_position_embeddings:
+        raise KvedgeError(f"--max-seq-len {o.max_seq_len} exceeds this model's learned positions "
+                          f"({cfg.max_position_embeddings})")
+    if out_dir.exists() and any(out_dir.iterdir()) and not o.force:
+        raise KvedgeError(f"{out_dir} exists and is not empty; pass --force to overwrite it")
+    if out_dir.resolve() == model_dir.resolve():
+        raise KvedgeError("the output folder must not be the checkpoint folder")
+
+
+def _quiet_export(fn):
+    """torch.onnx prints its own progress and warnings; kvedge reports its own steps instead."""
+    sink = io.StringIO()
+    with warnings.catch_warnings(), contextlib.redirect_stdout(sink):
+        warnings.simplefilter("ignore")
+        level = logging.getLogger("torch").level
+        logging.getLogger("torch").setLevel(logging.ERROR)
+        try:
+            return fn()
+        finally:
+            logging.getLogger("torch").setLevel(level)
+
+
+def to_onnx(decoder: Decoder, lowering: str, max_seq_len: int):
+    """Trace the Decoder into an onnx ModelProto with the chosen attention lowering (names per contract)."""
+    low = lowerings.get(lowering)
+    cfg = decoder.cfg
+    dtype = next(decoder.parameters()).dtype
+    b, l = 2, 3  # example sizes; both axes are dynamic
+    cache = KVCache.allocate(cfg, b, max_seq_len, dtype=dtype)
+    past = [t for kv in zip(cache.keys, cache.values) for t in kv]
+    args = (torch.zeros(b, l, dtype=torch.long), torch.arange(l).expand(b, l).contiguous(),
+            torch.full((b,), l - 1), *past)
+    batch = torch.export.Dim("batch", max=1024)
+    seq = torch.export.Dim("seq", max=max_seq_len)
+    dynamic = {"input_ids": {0: batch, 1: seq}, "position_ids": {0: batch, 1: seq},
+               "logits_index": {0: batch}, "past": tuple({0: batch} for _ in past)}
+    program = _quiet_export(lambda: torch.onnx.export(
+        ExportGraph(decoder).eval(), args, dynamo=True, dynamic_shapes=dynamic,
+        input_names=input_names(cfg.num_layers), output_names=output_names(cfg.num_layers),
+        custom_translation_table={torch.ops.kvedge.cached_attention.default: low.translate},
+        opset_version=max(low.OPSET, 18), optimize=True, verbose=False))
+    proto = program.model_proto
+    if low.OPSET < 18:
+        from kvedge.export.opset17 import downgrade_to_17
+
+        proto = downgrade_to_17(proto)
+    _prune_unused_outputs(proto)
+    _name_dynamic_axes(proto)
+    return proto
+
+
+def _prune_unused_outputs(proto) -> None:
+    """Drop trailing node outputs nobody reads (Attention's optional present/qk outputs), so runtimes
+    neither compute nor allocate them."""
+    used = {i for n in proto.graph.node for i in n.input} | {o.name for o in proto.graph.output}
+    for node in proto.graph.node:
+        if node.op_type not in ("Attention",):
+            continue
+        keep = list(node.output)
+        while len(keep) > 1 and keep[-1] not in used:
+            keep.pop()
+        del node.output[len(keep):]
+
+
+def _name_dynamic_axes(proto) -> None:
+    """Give every graph input/output the contract's axis names ('batch', 'seq')."""
+    for vi in list(proto.graph.input) + list(proto.graph.output):
+        dims = vi.type.tensor_type.shape.dim
+        if not dims:
+            continue
+        dims[0].dim_param = "batch"
+        if vi.name in ("input_ids", "position_ids"):
+            dims[1].dim_param = "seq"
+        if vi.name == "logits":
+            dims[1].dim_value = 1
+
+
+def _save(proto, path: Path, data_name: str) -> str | None:
+    """Save; weights go to an external data file `data_name` when they pass protobuf's 2 GiB limit."""
+    import onnx
+
+    size = sum(len(t.raw_data) for t in proto.graph.initializer)
+    external = size > EXTERNAL_DATA_THRESHOLD
+    location = data_name if external else None
+    onnx.save_model(proto, str(path), save_as_external_data=external, all_tensors_to_one_file=True,
+                    location=location, size_threshold=1024)
+    return location
+
+
+def check_onnx(path: Path) -> None:
+    """onnx.checker (full check) and strict shape inference; both must pass."""
+    import onnx
+
+    try:
+        onnx.checker.check_model(str(path), full_check=True)
+    except Exception as e:
+        raise KvedgeError(f"{path}: onnx.checker failed: {e}") from None
+
+
+def export(model_dir: str | Path, out_dir: str | Path, options: ExportOptions | None = None,
+           progress: Callable[[str], None] | None = None) -> Sidecar:
+    """Export a checkpoint to out_dir and verify it (unless options.verify is False)."""
+    o = options or ExportOptions()
+    model_dir, out_dir = Path(model_dir), Path(out_dir)
+    say = _Progress(progress)
+    from kvedge.models import load_config
+
+    cfg = load_config(model_dir)
+    _check_options(model_dir, out_dir, o, cfg)
+    low = lowerings.get(o.attention)
+    if out_dir.exists():
+        (out_dir / SIDECAR).unlink(missing_ok=True)  # never leave a stale sidecar next to new files
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    say(f"loading {model_dir} ({cfg.arch}, {cfg.num_layers} layers, {cfg.num_heads}/{cfg.num_kv_heads} heads)")
+    decoder = load_decoder(model_dir, dtype=torch_dtype(o.dtype))
+    say(f"tracing to ONNX: lowering {low.NAME!r}, opset {low.OPSET}, {o.dtype}, max_seq_len {o.max_seq_len}")
+    proto = to_onnx(decoder, low.NAME, o.max_seq_len)
+    onnx_path = out_dir / "model.onnx"
+    tmp_path = out_dir / ".model.onnx.partial"
+    say(f"writing {onnx_path} ({len(proto.graph.node)} nodes)")
+    external = _save(proto, tmp_path, onnx_path.name + ".data")
+    del proto
+    tmp_path.replace(onnx_path)
+    say("onnx.checker (full check, shape inference)")
+    check_onnx(onnx_path)
+    for name in TOKENIZER_FILES:
+        if (model_dir / name).is_file():
+            shutil.copy2(model_dir / name, out_dir / name)
+
+    logits_dtype = "float32" if o.dtype == "fp32" else {"fp16": "float16", "bf16": "bfloat16"}[o.dtype]
+    inputs, outputs = io_spec(cfg, o.dtype, o.max_seq_len, logits_dtype)
+    sidecar = Sidecar(model=cfg, lowering=low.NAME, dtype=o.dtype, opset=low.OPSET, max_seq_len=o.max_seq_len,
+                      max_batch=o.max_batch, inputs=inputs, outputs=outputs, external_data=external)
+    if o.verify:
+        from kvedge.export.verify import verify
+
+        say(f"verifying on ONNX Runtime CPU against PyTorch: {o.verify_prompt_len}-token prompt + "
+            f"{o.verify_steps} decode steps")
+        report = verify(decoder, out_dir, sidecar, o.verify_prompt_len, o.verify_steps)
+        sidecar.verification = report
+        say(f"max abs {report['max_abs_error']:.2e}, cosine {report['min_cosine']:.6f}, "
+            f"greedy agreement {report['greedy_agreement']:.0%}" + ("" if report["passed"] else "  FAILED"))
+        if not report["passed"]:
+            raise KvedgeError(f"verification failed: {report['reason']}; no {SIDECAR} was written")
+    path = sidecar.write(out_dir)
+    say(f"wrote {path}")
+    return sidecar

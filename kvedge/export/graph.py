@@ -1,0 +1,59 @@
+"""The export graph: the one Decoder, with its attention op swapped for a functional custom op.
+
+`kvedge::cached_attention` has the semantics of `kvedge.models.attention.attention` but returns the
+updated caches instead of writing them, so the exported graph has them as outputs. Each lowering
+(kvedge.export.lowerings) translates this one op into its target's ONNX nodes.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from kvedge.models import Decoder
+from kvedge.models.attention import attention
+
+
+@torch.library.custom_op("kvedge::cached_attention", mutates_args=())
+def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                     v_cache: torch.Tensor, positions: torch.Tensor, scale: float, window: int,
+                     softcap: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(out, present_key, present_value). window <= 0 and softcap <= 0 mean none."""
+    k_cache, v_cache = k_cache.clone(), v_cache.clone()
+    out = attention(q, k, v, k_cache, v_cache, positions, scale=scale,
+                    window=window if window > 0 else None, softcap=softcap if softcap > 0 else None)
+    return out, k_cache, v_cache
+
+
+@cached_attention.register_fake
+def _(q, k, v, k_cache, v_cache, positions, scale, window, softcap):
+    return torch.empty_like(q), torch.empty_like(k_cache), torch.empty_like(v_cache)
+
+
+class ExportGraph(nn.Module):
+    """forward(input_ids, position_ids, logits_index, past_key.0, past_value.0, ...) ->
+    (logits [B, 1, V], present_key.0, present_value.0, ...)."""
+
+    def __init__(self, decoder: Decoder):
+        super().__init__()
+        self.decoder = decoder
+        self._presents: list[torch.Tensor] = []
+
+    def _op(self, q, k, v, k_cache, v_cache, positions, *, scale, window, softcap):
+        out, pk, pv = torch.ops.kvedge.cached_attention(q, k, v, k_cache, v_cache, positions, float(scale),
+                                                        int(window or 0), float(softcap or 0.0))
+        self._presents += [pk, pv]
+        return out
+
+    def forward(self, input_ids, position_ids, logits_index, *past: torch.Tensor):
+        self._presents = []
+        original = self.decoder.attention_op
+        self.decoder.attention_op = self._op
+        try:
+            caches: Sequence = list(zip(past[0::2], past[1::2]))
+            logits = self.decoder(input_ids, position_ids, caches, logit_index=logits_index)
+        finally:
+            self.decoder.attention_op = original
+        return (logits, *self._presents)

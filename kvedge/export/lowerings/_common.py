@@ -1,0 +1,35 @@
+"""ONNX pieces the lowerings share: the visible-keys mask and slicing the cache to the live length."""
+
+from __future__ import annotations
+
+from onnxscript import opset18 as op
+
+
+def const(value):
+    """An int64 constant (a list gives a 1-D tensor, an int a scalar)."""
+    return op.Constant(value_ints=list(value)) if isinstance(value, (list, tuple)) else op.Constant(value_int=value)
+
+
+def fconst(value: float):
+    """A float32 scalar constant."""
+    return op.Constant(value_float=float(value))
+
+
+def kv_len(positions):
+    """[1] int64: one past the largest position in the batch; cache slots beyond are never visible."""
+    return op.Add(op.Reshape(op.ReduceMax(positions, keepdims=0), const([1])), const([1]))
+
+
+def live(cache, length):
+    """cache[:, :, :length]."""
+    return op.Slice(cache, const([0]), length, const([2]))
+
+
+def visible(positions, length, window: int):
+    """Boolean [B, L, S]: the query at positions[b, i] may see slot j (j <= p, and p - j < window)."""
+    keys = op.Range(const(0), op.Squeeze(length, const([0])), const(1))  # [S]
+    q = op.Unsqueeze(positions, const([-1]))  # [B, L, 1]
+    ok = op.LessOrEqual(keys, q)
+    if window > 0:
+        ok = op.And(ok, op.Greater(keys, op.Sub(q, const(window))))
+    return ok

@@ -1,0 +1,44 @@
+"""`decomposed`: MatMul / Softmax / Where / ScatterElements only, opset 17.
+
+For TensorRT 8.6-10.14 (JetPack 5 and 6) and any ONNX runtime. GQA stays GQA: the query heads are
+viewed as [B, Hkv, G, L, D] and broadcast against the [B, Hkv, 1, S, D] cache; K/V are never
+repeated. The cache write is a ScatterElements along the sequence axis.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from onnxscript import opset18 as op
+
+from kvedge.export.lowerings._common import const, fconst, kv_len, live, visible
+from kvedge.models.config import ModelConfig
+
+NAME = "decomposed"
+OPSET = 17
+
+
+def unsupported(cfg: ModelConfig) -> list[str]:
+    return []  # expresses every feature of the Decoder
+
+
+def translate(q, k, v, k_cache, v_cache, positions, scale: float, window: int, softcap: float):
+    hq, d = q.shape[1], q.shape[3]
+    hkv = k_cache.shape[1]
+    index = op.Expand(op.Unsqueeze(positions, const([1, 3])), op.Shape(k))  # [B, Hkv, L, D]
+    present_k = op.ScatterElements(k_cache, index, k, axis=2)
+    present_v = op.ScatterElements(v_cache, index, v, axis=2)
+    length = kv_len(positions)
+    keys = op.Unsqueeze(live(present_k, length), const([2]))  # [B, Hkv, 1, S, D]
+    values = op.Unsqueeze(live(present_v, length), const([2]))
+    qg = op.Reshape(q, const([0, hkv, hq // hkv, -1, d]))  # [B, Hkv, G, L, D]
+    scores = op.MatMul(qg, op.Transpose(keys, perm=[0, 1, 2, 4, 3]))
+    scores = op.Cast(scores, to=1)  # softmax in float32
+    scores = op.Mul(scores, fconst(scale))
+    if softcap > 0:
+        c = fconst(softcap)
+        scores = op.Mul(op.Tanh(op.Div(scores, c)), c)
+    mask = op.Unsqueeze(visible(positions, length, window), const([1, 2]))  # [B, 1, 1, L, S]
+    scores = op.Where(mask, scores, fconst(-np.inf))
+    probs = op.CastLike(op.Softmax(scores, axis=-1), q)
+    out = op.Reshape(op.MatMul(probs, values), const([0, hq, -1, d]))
+    return out, present_k, present_v

@@ -1,0 +1,39 @@
+"""`onnx`: standard ONNX opset 24: TensorScatter writes the cache, Attention attends over it.
+
+Runs on ONNX Runtime and is meant for TensorRT >= 10.15, whose parser maps `Attention` to its fused
+attention layer and `TensorScatter` to its KV-cache update. The Attention node gets no
+past_key/past_value inputs (TensorRT's parser rejects them): the cache is written first, then
+attended over with an explicit boolean mask. GQA is native to Attention (K/V carry Hkv heads).
+"""
+
+from __future__ import annotations
+
+from onnxscript import opset18 as op
+from onnxscript.values import Opset
+
+from kvedge.export.lowerings._common import const, kv_len, live, visible
+from kvedge.models.config import ModelConfig
+
+NAME = "onnx"
+OPSET = 24
+op24 = Opset("", 24)
+
+
+def unsupported(cfg: ModelConfig) -> list[str]:
+    reasons = []
+    if cfg.attn_softcap:
+        # The spec applies softcap after the mask is added (qk_matmul_output_mode order) while the
+        # reference implementation applies it before; a masked -inf would become -softcap. Refuse.
+        reasons.append("attention logit softcapping (the ONNX Attention softcap/mask order is ambiguous)")
+    return reasons
+
+
+def translate(q, k, v, k_cache, v_cache, positions, scale: float, window: int, softcap: float):
+    start = op.Gather(positions, const(0), axis=1)  # [B]: each row's first position
+    present_k = op24.TensorScatter(k_cache, k, start, axis=2)
+    present_v = op24.TensorScatter(v_cache, v, start, axis=2)
+    length = kv_len(positions)
+    mask = op.Unsqueeze(visible(positions, length, window), const([1]))  # [B, 1, L, S]
+    out = op24.Attention(q, live(present_k, length), live(present_v, length), mask, scale=scale,
+                         softmax_precision=1)[0]  # the optional outputs are pruned after export
+    return out, present_k, present_v

@@ -1,0 +1,75 @@
+"""`ort`: ONNX Runtime's fused com.microsoft.GroupQueryAttention, past and present in one buffer.
+
+GQA takes [B, L, H*D] projections and caches [B, Hkv, S_max, D]. With present bound to the same
+buffer as past (IO binding) it writes the new K/V in place at each row's position
+(seqlens_k + 1 - L), so the cache is never copied. Sliding windows and softcap are attributes.
+Contract caveat: unlike the other lowerings, present outputs are only complete when they share the
+past buffer; the kvedge runtime always binds them so.
+"""
+
+from __future__ import annotations
+
+from onnxscript import opset18 as op
+from onnxscript.values import Opset
+
+from kvedge.export.lowerings._common import const
+from kvedge.models.config import ModelConfig
+
+NAME = "ort"
+OPSET = 21
+DOMAIN = "com.microsoft"
+
+
+def _register_schema() -> None:
+    """Teach onnx (and so onnxscript and onnx.checker) the contrib op's signature, as ONNX Runtime
+    documents it in its contrib operator spec. Shape inference stays ONNX Runtime's."""
+    from onnx import defs
+
+    if defs.has("GroupQueryAttention", DOMAIN):
+        return
+    P, A = defs.OpSchema.FormalParameter, defs.OpSchema.Attribute
+    opt = defs.OpSchema.FormalParameterOption.Optional
+    ints, floats = defs.OpSchema.AttrType.INT, defs.OpSchema.AttrType.FLOAT
+    inputs = [P("query", "T"), P("key", "T", param_option=opt), P("value", "T", param_option=opt),
+              P("past_key", "T", param_option=opt), P("past_value", "T", param_option=opt),
+              P("seqlens_k", "M"), P("total_sequence_length", "M"),
+              P("cos_cache", "T", param_option=opt), P("sin_cache", "T", param_option=opt),
+              P("position_ids", "tensor(int64)", param_option=opt),
+              P("attention_bias", "T", param_option=opt), P("head_sink", "T", param_option=opt)]
+    outputs = [P("output", "T"), P("present_key", "T"), P("present_value", "T")]  # output_qk left out
+    attributes = [A("num_heads", ints, "query heads", required=True),
+                  A("kv_num_heads", ints, "key/value heads", required=True)]
+    attributes += [A(n, t, "", required=False) for n, t in (("scale", floats), ("softcap", floats), ("local_window_size", ints),
+                                             ("do_rotary", ints), ("rotary_interleaved", ints),
+                                             ("smooth_softmax", ints), ("qk_output", ints))]
+    defs.register_schema(defs.OpSchema(
+        "GroupQueryAttention", DOMAIN, 1, inputs=inputs, outputs=outputs, attributes=attributes,
+        type_constraints=[("T", ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"], ""),
+                          ("M", ["tensor(int32)"], "")]))
+
+
+_register_schema()
+msft = Opset(DOMAIN, 1)
+
+
+def unsupported(cfg: ModelConfig) -> list[str]:
+    return []
+
+
+def translate(q, k, v, k_cache, v_cache, positions, scale: float, window: int, softcap: float):
+    hq, d = q.shape[1], q.shape[3]
+    hkv = k_cache.shape[1]
+
+    def bsh(x, heads):  # [B, H, L, D] -> [B, L, H*D]
+        return op.Reshape(op.Transpose(x, perm=[0, 2, 1, 3]), const([0, 0, heads * d]))
+
+    last = op.Gather(positions, const(-1), axis=1)  # [B] each row's last position in this chunk
+    seqlens_k = op.Cast(last, to=6)  # int32: total length - 1 per row
+    total = op.Cast(op.Add(op.ReduceMax(last, keepdims=0), const(1)), to=6)  # int32 scalar
+    out, present_k, present_v = msft.GroupQueryAttention(
+        bsh(q, hq), bsh(k, hkv), bsh(v, hkv), k_cache, v_cache, seqlens_k, total,
+        num_heads=hq, kv_num_heads=hkv, scale=scale, local_window_size=window - 1 if window > 0 else -1,
+        softcap=softcap,
+    )
+    out = op.Transpose(op.Reshape(out, const([0, 0, hq, d])), perm=[0, 2, 1, 3])
+    return out, present_k, present_v

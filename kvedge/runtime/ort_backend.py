@@ -1,0 +1,99 @@
+"""ONNX Runtime backend: one session over an export folder, caches allocated once and bound in place.
+
+The caches are torch tensors [max_batch, kv_heads, max_seq_len, head_dim] allocated at load; every
+step binds past_* and present_* to the *same* buffer (IO binding by address), so the graph updates
+the cache in place and no cache-sized allocation happens per token. Logits land in a preallocated
+buffer too.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from kvedge.errors import KvedgeError, MissingDependencyError
+from kvedge.export.contract import Sidecar, input_names, output_names
+from kvedge.models.loader import TORCH_DTYPES
+
+_NP = {torch.float32: np.float32, torch.float16: np.float16, torch.int64: np.int64}
+
+
+class OrtBackend:
+    name = "onnxruntime"
+
+    def __init__(self, export_dir: str | Path, providers: list[str] | None = None, threads: int = 0,
+                 max_batch: int | None = None, sidecar: Sidecar | None = None):
+        try:
+            import onnxruntime as ort
+        except ImportError:
+            raise MissingDependencyError("the onnxruntime backend needs 'onnxruntime': pip install onnxruntime")
+        self.dir = Path(export_dir)
+        self.sidecar = sc = sidecar or Sidecar.read(self.dir)
+        self.cfg = sc.model
+        available = ort.get_available_providers()
+        providers = providers or ["CPUExecutionProvider"]
+        missing = [p for p in providers if p not in available]
+        if missing:
+            raise KvedgeError(f"ONNX Runtime provider(s) {missing} are not available here; available: {available}")
+        opts = ort.SessionOptions()
+        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        if threads:
+            opts.intra_op_num_threads = threads
+        opts.log_severity_level = 3
+        self.session = ort.InferenceSession(str(self.dir / sc.onnx_file), opts, providers=providers)
+        self._check_graph()
+        self.max_batch = max_batch or sc.max_batch
+        self.max_seq_len = sc.max_seq_len
+        self.dtype = TORCH_DTYPES[sc.dtype]
+        if self.dtype not in _NP:
+            raise KvedgeError(f"the onnxruntime backend cannot bind {sc.dtype} caches from Python; "
+                              f"export with --dtype fp32 or fp16")
+        shape = (self.max_batch, self.cfg.num_kv_heads, self.max_seq_len, self.cfg.head_dim)
+        n = self.cfg.num_layers
+        self.caches = [torch.zeros(shape, dtype=self.dtype) for _ in range(2 * n)]  # k0, v0, k1, v1, ...
+        logits_dtype = torch.float32 if sc.outputs[0]["dtype"] == "float32" else self.dtype
+        self.logits = torch.empty((self.max_batch, 1, self.cfg.vocab_size), dtype=logits_dtype)
+        self._in, self._out = input_names(n), output_names(n)
+        self.binding = self.session.io_binding()
+        self._bound_batch = 0
+
+    def _check_graph(self) -> None:
+        got_in = [i.name for i in self.session.get_inputs()]
+        got_out = [o.name for o in self.session.get_outputs()]
+        want_in, want_out = [i["name"] for i in self.sidecar.inputs], [o["name"] for o in self.sidecar.outputs]
+        if got_in != want_in or got_out != want_out:
+            raise KvedgeError(f"{self.dir}: the graph and {self.dir / 'kvedge.json'} disagree: graph inputs "
+                              f"{got_in[:4]}..., outputs {got_out[:3]}...; sidecar {want_in[:4]}..., "
+                              f"{want_out[:3]}...; re-export")
+
+    def _bind(self, batch: int) -> None:
+        """Bind caches (past and present to one buffer) and logits for this batch size."""
+        b = self.binding
+        for name, out, t in zip(self._in[3:], self._out[1:], self.caches):
+            view = t[:batch]  # first rows of a C-contiguous tensor: contiguous, same storage
+            shape = list(view.shape)
+            b.bind_input(name, "cpu", 0, _NP[self.dtype], shape, view.data_ptr())
+            b.bind_output(out, "cpu", 0, _NP[self.dtype], shape, view.data_ptr())
+        lg = self.logits[:batch]
+        b.bind_output("logits", "cpu", 0, _NP[lg.dtype], list(lg.shape), lg.data_ptr())
+        self._bound_batch = batch
+
+    def reset(self) -> None:
+        for t in self.caches:
+            t.zero_()
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                logits_index: torch.Tensor) -> torch.Tensor:
+        """Run one chunk; returns a view of the preallocated logits [B, 1, V] (valid until the next call)."""
+        batch = input_ids.shape[0]
+        if batch > self.max_batch:
+            raise KvedgeError(f"batch {batch} exceeds max_batch {self.max_batch} of this session")
+        if batch != self._bound_batch:
+            self._bind(batch)
+        keep = [t.to(torch.int64).contiguous() for t in (input_ids, position_ids, logits_index)]
+        for name, t in zip(self._in[:3], keep):  # `keep` holds the buffers alive through the run
+            self.binding.bind_input(name, "cpu", 0, np.int64, list(t.shape), t.data_ptr())
+        self.session.run_with_iobinding(self.binding)
+        return self.logits[:batch]
