@@ -19,7 +19,7 @@ def _say(args, *parts) -> None:
 def cmd_make_demo(args) -> int:
     from kvedge.models.demo import write_demo_checkpoint
 
-    path = write_demo_checkpoint(args.dir)
+    path = write_demo_checkpoint(args.dir, args.preset)
     print(path)
     return 0
 
@@ -77,6 +77,26 @@ def cmd_demo(args) -> int:
     return 0
 
 
+def cmd_export(args) -> int:
+    from kvedge.export import ExportOptions, export
+
+    opts = ExportOptions(dtype=args.dtype, attention=args.attention, max_seq_len=args.max_seq_len,
+                         max_batch=args.max_batch, force=args.force, verify=not args.no_verify,
+                         verify_steps=args.verify_steps)
+    sidecar = export(args.model, args.out, opts, progress=None if args.quiet else
+                     (lambda m: print(m, file=sys.stderr, flush=True)))
+    if args.json:
+        print(json.dumps(sidecar.to_json(), indent=2))
+    else:
+        v = sidecar.verification
+        verdict = ("not verified" if v is None else v.get("skipped") or
+                   f"verified: max abs {v['max_abs_error']:.2e}, cosine {v['min_cosine']:.6f}, "
+                   f"greedy agreement {v['greedy_agreement']:.0%}")
+        print(f"{Path(args.out) / sidecar.onnx_file} ({sidecar.lowering}, {sidecar.dtype}, opset {sidecar.opset}); "
+              f"{verdict}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvedge", description=__doc__)
     p.add_argument("--version", action="version", version=f"kvedge {__version__}")
@@ -91,8 +111,30 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--quiet", action="store_true", help="no progress lines")
     s.set_defaults(fn=cmd_demo)
 
+    from kvedge.export.lowerings import LOWERINGS
+
+    s = sub.add_parser("export", help="export a checkpoint to ONNX (KV cache as inputs/outputs) and verify it",
+                       description="Writes OUT/model.onnx, the tokenizer files and OUT/kvedge.json (last). "
+                                   "Verification runs the graph on ONNX Runtime CPU against PyTorch.")
+    s.add_argument("model", help="Hugging Face checkpoint directory")
+    s.add_argument("-o", "--out", required=True, help="output folder")
+    s.add_argument("--dtype", choices=("fp32", "fp16", "bf16"), default="fp32")
+    s.add_argument("--attention", choices=list(LOWERINGS), default="decomposed",
+                   help="attention lowering: onnx (opset 24, ORT and TensorRT >= 10.15), ort "
+                        "(com.microsoft.GroupQueryAttention), decomposed (opset 17, TensorRT 8.6-10.14, any runtime)")
+    s.add_argument("--max-seq-len", type=int, default=2048, help="cache length (default 2048)")
+    s.add_argument("--max-batch", type=int, default=4, help="largest batch the runtime will bind (default 4)")
+    s.add_argument("--force", action="store_true", help="overwrite a non-empty output folder")
+    s.add_argument("--no-verify", action="store_true", help="skip the ONNX Runtime vs PyTorch check")
+    s.add_argument("--verify-steps", type=int, default=16, help="decode steps to verify (default 16)")
+    s.add_argument("--json", action="store_true", help="print the sidecar as JSON")
+    s.add_argument("--quiet", action="store_true", help="no progress lines")
+    s.set_defaults(fn=cmd_export)
+
     s = sub.add_parser("make-demo", help="write the built-in demo checkpoint (Hugging Face format) to DIR")
     s.add_argument("dir")
+    s.add_argument("--preset", default="demo", choices=("demo", "smollm2-135m"),
+                   help="demo (3M parameters) or smollm2-135m (that public shape, random weights)")
     s.set_defaults(fn=cmd_make_demo)
 
     s = sub.add_parser("info", help="summarize a checkpoint's config: heads, GQA ratio, KV-cache bytes per token")

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import torch
 
+from kvedge.errors import KvedgeError
+
 DEMO_CONFIG = {
     "model_type": "llama",
     "architectures": ["LlamaForCausalLM"],
@@ -36,6 +38,14 @@ DEMO_CONFIG = {
     "pad_token_id": 2,
     "torch_dtype": "float32",
 }
+# SmolLM2-135M's public shape (config only; the weights here are random): the benchmarks' model.
+SMOLLM2_135M_CONFIG = {
+    **DEMO_CONFIG,
+    "vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
+    "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64, "max_position_embeddings": 8192,
+    "rope_theta": 100000.0, "tie_word_embeddings": True,
+}
+PRESETS = {"demo": DEMO_CONFIG, "smollm2-135m": SMOLLM2_135M_CONFIG}
 SPECIAL_TOKENS = ["<s>", "</s>", "<pad>"]
 SEED = 1234
 
@@ -49,8 +59,9 @@ def demo_weights(cfg: dict = DEMO_CONFIG, seed: int = SEED, std: float = 0.08) -
     def rnd(*shape: int) -> torch.Tensor:
         return torch.randn(shape, generator=g) * std
 
-    w = {"model.embed_tokens.weight": rnd(cfg["vocab_size"], h) * 10, "model.norm.weight": torch.ones(h),
-         "lm_head.weight": rnd(cfg["vocab_size"], h)}
+    w = {"model.embed_tokens.weight": rnd(cfg["vocab_size"], h) * 10, "model.norm.weight": torch.ones(h)}
+    if not cfg.get("tie_word_embeddings"):
+        w["lm_head.weight"] = rnd(cfg["vocab_size"], h)
     for n in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{n}."
         w.update({
@@ -95,8 +106,14 @@ def write_tokenizer(out: Path) -> None:
     }, indent=2))
 
 
-def write_demo_checkpoint(out_dir: str | Path) -> Path:
-    """Write the demo checkpoint into out_dir (created); returns the path. Idempotent and atomic."""
+def write_demo_checkpoint(out_dir: str | Path, preset: str = "demo") -> Path:
+    """Write a preset's checkpoint into out_dir (created); returns the path. Idempotent and atomic.
+
+    Presets: "demo" (the built-in 3M-parameter model) and "smollm2-135m" (that model's shape, random
+    weights; the tokenizer stays byte-level, so only its first 259 ids are ever produced by text)."""
+    if preset not in PRESETS:
+        raise KvedgeError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
+    cfg = PRESETS[preset]
     from safetensors.torch import save_file
 
     out = Path(out_dir)
@@ -104,11 +121,11 @@ def write_demo_checkpoint(out_dir: str | Path) -> Path:
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".kvedge-demo-", dir=out.parent))
-    save_file(demo_weights(), str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    save_file(demo_weights(cfg), str(tmp / "model.safetensors"), metadata={"format": "pt"})
     write_tokenizer(tmp)
     (tmp / "generation_config.json").write_text(json.dumps(
         {"bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 2}, indent=2))
-    (tmp / "config.json").write_text(json.dumps(DEMO_CONFIG, indent=2))  # last: marks it complete
+    (tmp / "config.json").write_text(json.dumps(cfg, indent=2))  # last: marks it complete
     if out.exists():
         for f in tmp.iterdir():
             os.replace(f, out / f.name)

@@ -68,7 +68,7 @@ def translate(q, k, v, k_cache, v_cache, positions, scale: float, window: int, s
     total = op.Cast(op.Add(op.ReduceMax(last, keepdims=0), const(1)), to=6)  # int32 scalar
     out, present_k, present_v = msft.GroupQueryAttention(
         bsh(q, hq), bsh(k, hkv), bsh(v, hkv), k_cache, v_cache, seqlens_k, total,
-        num_heads=hq, kv_num_heads=hkv, scale=scale, local_window_size=window - 1 if window > 0 else -1,
+        num_heads=hq, kv_num_heads=hkv, scale=scale, local_window_size=window if window > 0 else -1,
         softcap=softcap,
     )
     out = op.Transpose(op.Reshape(out, const([0, 0, hq, d])), perm=[0, 2, 1, 3])

@@ -1,0 +1,111 @@
+"""Export's behaviour: dtypes, refusals, atomic sidecar, external data, and the CLI."""
+
+from __future__ import annotations
+
+import onnx
+import pytest
+import torch
+
+from kvedge.cli import main
+from kvedge.errors import KvedgeError
+from kvedge.export import SIDECAR, ExportOptions, Sidecar, export
+from kvedge.export import exporter as exporter_module
+from kvedge.models import KVCache, load_decoder
+from kvedge.runtime.ort_backend import OrtBackend
+
+
+@pytest.mark.parametrize("dtype,elem", [("fp16", onnx.TensorProto.FLOAT16), ("bf16", onnx.TensorProto.BFLOAT16)])
+@pytest.mark.parametrize("lowering", ["decomposed", "onnx"])
+def test_half_precision_exports_pass_checker_and_carry_half_caches(dtype, elem, lowering, exported):
+    out, sidecar = exported("llama-gqa4-llama3rope", lowering, dtype=dtype)
+    model = onnx.load(str(out / "model.onnx"))
+    onnx.checker.check_model(model, full_check=True)
+    caches = [v for v in model.graph.input if v.name.startswith("past_")]
+    assert caches and all(v.type.tensor_type.elem_type == elem for v in caches)
+    v = sidecar.verification
+    if dtype == "bf16":
+        assert "no bf16 kernels" in v["skipped"]
+    else:  # ONNX Runtime CPU runs fp16: compared with PyTorch in fp16
+        assert v["passed"] and v["min_cosine"] >= 0.999
+
+
+def test_fp16_runtime_agrees_with_pytorch_fp16(exported, hf_checkpoint):
+    out, _ = exported("llama-gqa4-llama3rope", "decomposed", dtype="fp16")
+    model = load_decoder(hf_checkpoint("llama-gqa4-llama3rope")[0], dtype="fp16")
+    backend = OrtBackend(out, max_batch=1)
+    ids = torch.arange(3, 19)[None]
+    ref = model(ids, torch.arange(16)[None], KVCache.allocate(model.cfg, 1, 64, dtype=torch.float16).for_batch(1),
+                logit_index=torch.tensor([15])).float()
+    got = backend.forward(ids, torch.arange(16)[None], torch.tensor([15])).float()
+    assert torch.nn.functional.cosine_similarity(ref.flatten(), got.flatten(), dim=0) > 0.999
+
+
+def test_existing_folder_is_refused_without_force(tmp_path, hf_checkpoint):
+    path, _ = hf_checkpoint("llama-mha")
+    (tmp_path / "keep.txt").write_text("mine")
+    with pytest.raises(KvedgeError, match="exists and is not empty; pass --force"):
+        export(path, tmp_path, ExportOptions(max_seq_len=32))
+    assert (tmp_path / "keep.txt").read_text() == "mine"
+
+
+def test_failed_verification_leaves_no_sidecar(tmp_path, hf_checkpoint):
+    path, _ = hf_checkpoint("llama-mha")
+    with pytest.raises(KvedgeError, match=r"verification failed: max abs logit error .* > 0 x .*; no kvedge\.json"):
+        export(path, tmp_path / "out", ExportOptions(max_seq_len=32, tolerance=(0.0, -1.0)))
+    assert not (tmp_path / "out" / SIDECAR).exists()
+
+
+def test_interrupted_export_leaves_no_sidecar_and_a_rerun_replaces_the_old_one(tmp_path, hf_checkpoint):
+    path, _ = hf_checkpoint("llama-mha")
+    out = tmp_path / "out"
+    export(path, out, ExportOptions(max_seq_len=32, verify=False))
+    assert (out / SIDECAR).exists()
+
+    def interrupt(msg):
+        if msg.split("] ", 1)[1].startswith("verifying"):
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        export(path, out, ExportOptions(max_seq_len=48, force=True), progress=interrupt)
+    assert not (out / SIDECAR).exists()  # the stale sidecar of the first export is gone too
+    assert not list(out.glob(".kvedge-*"))
+
+
+def test_lowering_refuses_what_it_cannot_express(tmp_path, hf_checkpoint):
+    path, _ = hf_checkpoint("gemma2")
+    with pytest.raises(KvedgeError, match=r"'onnx' lowering cannot express this gemma2 model: attention logit softcapping"):
+        export(path, tmp_path / "o", ExportOptions(attention="onnx"))
+    assert not (tmp_path / "o").exists()
+
+
+def test_bad_options(tmp_path, hf_checkpoint):
+    path, _ = hf_checkpoint("gpt2")
+    with pytest.raises(KvedgeError, match=r"--max-seq-len 4096 exceeds this model's learned positions \(128\)"):
+        export(path, tmp_path / "o", ExportOptions(max_seq_len=4096))
+    with pytest.raises(KvedgeError, match=r"unknown attention lowering 'flash'"):
+        export(path, tmp_path / "o", ExportOptions(attention="flash"))
+    with pytest.raises(KvedgeError, match=r"--dtype 'int3'"):
+        export(path, tmp_path / "o", ExportOptions(dtype="int3"))
+
+
+def test_large_weights_go_to_external_data(tmp_path, hf_checkpoint, monkeypatch):
+    monkeypatch.setattr(exporter_module, "EXTERNAL_DATA_THRESHOLD", 1024)  # as if the weights were > 2 GiB
+    path, _ = hf_checkpoint("llama-mha")
+    out = tmp_path / "out"
+    sidecar = export(path, out, ExportOptions(max_seq_len=32))
+    assert sidecar.external_data == "model.onnx.data" and (out / "model.onnx.data").is_file()
+    assert (out / "model.onnx").stat().st_size < (out / "model.onnx.data").stat().st_size
+    assert sidecar.verification["passed"]
+    assert Sidecar.read(out).external_data == "model.onnx.data"
+
+
+def test_cli_export_progress_and_tokenizer_files(tmp_path, capsys):
+    main(["make-demo", str(tmp_path / "demo")])
+    rc = main(["export", str(tmp_path / "demo"), "-o", str(tmp_path / "out"), "--max-seq-len", "64",
+               "--attention", "onnx", "--verify-steps", "4"])
+    assert rc == 0
+    captured = capsys.readouterr()
+    assert "tracing to ONNX" in captured.err and "verifying" in captured.err
+    assert "verified: max abs" in captured.out
+    assert (tmp_path / "out" / "tokenizer.json").is_file() and (tmp_path / "out" / SIDECAR).is_file()
+    assert main(["export", str(tmp_path / "demo"), "-o", str(tmp_path / "out")]) == 2
