@@ -4,4 +4,13 @@ __version__ = "0.1.0"
 
 from kvedge.errors import KvedgeError  # noqa: E402
 
-__all__ = ["KvedgeError", "__version__"]
+
+
+def load(path, backend: str = "auto", **options):
+    """Open a generation session over an export folder or a checkpoint: see kvedge.runtime.load."""
+    from kvedge.runtime import load as _load
+
+    return _load(path, backend, **options)
+
+
+__all__ = ["KvedgeError", "__version__", "load"]

@@ -46,34 +46,58 @@ def cmd_info(args) -> int:
 
 
 def cmd_demo(args) -> int:
-    """The main job on the built-in default: write the demo checkpoint, load it, generate."""
-    import torch
-
-    from kvedge.models import KVCache, load_decoder
+    """The main job on the built-in default: checkpoint -> ONNX export (verified) -> generation."""
+    from kvedge.export import ExportOptions, export
     from kvedge.models.demo import write_demo_checkpoint
-    from kvedge.runtime import greedy
+    from kvedge.runtime import load
 
-    torch.set_num_threads(args.threads) if args.threads else None
     out = Path(args.out)
     ckpt = write_demo_checkpoint(out / "checkpoint")
-    _say(args, f"[1/2] demo checkpoint: {ckpt}")
-    model = load_decoder(ckpt)
-    cfg = model.cfg
-    _say(args, f"      {cfg.arch}, {cfg.num_layers} layers, {cfg.num_heads} q heads / {cfg.num_kv_heads} kv heads "
-               f"({cfg.attention_kind}), {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters")
-    from tokenizers import Tokenizer
-
-    tok = Tokenizer.from_file(str(ckpt / "tokenizer.json"))
-    prompt = [cfg.bos_token_id] + tok.encode(args.prompt).ids
-    cache = KVCache.allocate(cfg, 1, len(prompt) + args.max_new_tokens)
-    _say(args, f"[2/2] generating {args.max_new_tokens} tokens on torch (CPU), cache "
-               f"{cache.nbytes / 2**20:.2f} MiB allocated once")
-    res = greedy(model, prompt, args.max_new_tokens, cache, eos_token_id=None)
-    text = tok.decode(res.tokens)
+    _say(args, f"[1/3] demo checkpoint (Llama-style GQA, random weights): {ckpt}")
+    _say(args, "[2/3] export to ONNX and verify against PyTorch")
+    export(ckpt, out / "onnx", ExportOptions(max_seq_len=512, max_batch=1, force=True),
+           progress=None if args.quiet else (lambda m: print("      " + m, file=sys.stderr, flush=True)))
+    _say(args, f"[3/3] generate on onnxruntime (CPU), {args.max_new_tokens} tokens")
+    session = load(out / "onnx", threads=args.threads)
+    res = session.generate(args.prompt, max_new_tokens=args.max_new_tokens, eos_token_id=None)
+    ref = load(ckpt, backend="torch", max_batch=1, max_seq_len=512).generate(
+        args.prompt, max_new_tokens=args.max_new_tokens, eos_token_id=None)
     print(f"prompt: {args.prompt!r}")
-    print(f"output: {text!r}")
-    print(f"prefill: {len(prompt)} tokens in {res.prefill_s * 1e3:.1f} ms; "
-          f"decode: {res.decode_tokens_per_s:.1f} tokens/s ({len(res.tokens)} tokens)")
+    print(f"output: {res.texts[0]!r}  (random weights: the text is noise)")
+    print(f"prefill: {res.prompt_tokens[0]} tokens in {res.prefill_s * 1e3:.1f} ms; "
+          f"decode: {res.decode_tokens_per_s:.1f} tokens/s on onnxruntime, "
+          f"{ref.decode_tokens_per_s:.1f} tokens/s on torch")
+    print(f"parity: onnxruntime tokens {'==' if res.tokens == ref.tokens else '!='} torch tokens")
+    return 0 if res.tokens == ref.tokens else 1
+
+
+def cmd_generate(args) -> int:
+    from kvedge.runtime import SamplingParams, load
+
+    session = load(args.path, args.backend, threads=args.threads, max_seq_len=args.max_seq_len, max_batch=1)
+    sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                              repetition_penalty=args.repetition_penalty, seed=args.seed)
+
+    def show(row, token, text):
+        if not args.json:
+            print(text, end="", flush=True)
+
+    prompt = [int(t) for t in args.ids.split(",")] if args.ids else args.prompt
+    if prompt is None:
+        raise KvedgeError("give --prompt TEXT or --ids 1,2,3")
+    res = session.generate(prompt, max_new_tokens=args.max_new_tokens, sampling=sampling, stop=args.stop,
+                           chat=args.chat, truncate=args.truncate, on_token=show,
+                           eos_token_id=None if args.ignore_eos else -1)
+    stats = {"backend": session.backend.name, "prompt_tokens": res.prompt_tokens[0],
+             "generated_tokens": len(res.tokens[0]), "finish_reason": res.finish_reasons[0],
+             "prefill_ms": round(res.prefill_s * 1e3, 2), "decode_tokens_per_s": round(res.decode_tokens_per_s, 2)}
+    if args.json:
+        print(json.dumps({"text": res.texts[0], "tokens": res.tokens[0], **stats}, indent=2))
+    else:
+        print()
+        _say(args, f"[{stats['backend']}] {stats['prompt_tokens']} prompt tokens, prefill {stats['prefill_ms']} ms; "
+                   f"{stats['generated_tokens']} tokens at {stats['decode_tokens_per_s']} tokens/s "
+                   f"({stats['finish_reason']})")
     return 0
 
 
@@ -107,9 +131,31 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--out", default="demo", help="working folder (default: ./demo)")
     s.add_argument("--prompt", default="Once upon a time", help="prompt text")
     s.add_argument("--max-new-tokens", type=int, default=64)
-    s.add_argument("--threads", type=int, default=0, help="CPU threads (default: torch's choice)")
+    s.add_argument("--threads", type=int, default=0, help="CPU threads (default: the runtime's choice)")
     s.add_argument("--quiet", action="store_true", help="no progress lines")
     s.set_defaults(fn=cmd_demo)
+
+    s = sub.add_parser("generate", help="generate text from an export folder (onnxruntime) or a checkpoint (torch)",
+                       description="Streams the text as it is produced, then prints prefill time and tokens/s.")
+    s.add_argument("path", help="export folder (kvedge.json) or Hugging Face checkpoint folder")
+    s.add_argument("--prompt", help="prompt text")
+    s.add_argument("--ids", help="prompt as comma-separated token ids instead of text")
+    s.add_argument("--backend", default="auto", choices=("auto", "onnxruntime", "torch"))
+    s.add_argument("--max-new-tokens", type=int, default=64)
+    s.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
+    s.add_argument("--top-k", type=int, default=0)
+    s.add_argument("--top-p", type=float, default=1.0)
+    s.add_argument("--repetition-penalty", type=float, default=1.0)
+    s.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
+    s.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    s.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
+    s.add_argument("--truncate", action="store_true", help="drop the oldest prompt tokens if it does not fit")
+    s.add_argument("--ignore-eos", action="store_true", help="do not stop at the end-of-sequence token")
+    s.add_argument("--max-seq-len", type=int, default=2048, help="torch backend cache length")
+    s.add_argument("--threads", type=int, default=0)
+    s.add_argument("--json", action="store_true", help="print the result as JSON at the end instead of streaming")
+    s.add_argument("--quiet", action="store_true")
+    s.set_defaults(fn=cmd_generate)
 
     from kvedge.export.lowerings import LOWERINGS
 

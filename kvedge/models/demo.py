@@ -89,8 +89,9 @@ def byte_chars() -> list[str]:
 
 
 def write_tokenizer(out: Path) -> None:
-    """A byte-level BPE tokenizer with no merges: every UTF-8 byte is a token, so any text encodes."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    """A byte-level BPE tokenizer with no merges: every UTF-8 byte is a token, so any text encodes.
+    Encoding prepends <s>; the chat template is a minimal role-tagged one."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 
     vocab = {t: n for n, t in enumerate(SPECIAL_TOKENS)}
     for byte, ch in enumerate(byte_chars()):  # token id = byte value + 3
@@ -99,10 +100,14 @@ def write_tokenizer(out: Path) -> None:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(SPECIAL_TOKENS)
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
+                                                       special_tokens=[("<s>", 0)])  # BOS, as Llama's
     tok.save(str(out / "tokenizer.json"))
     (out / "tokenizer_config.json").write_text(json.dumps({
         "bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>", "model_max_length": 2048,
         "tokenizer_class": "PreTrainedTokenizerFast",
+        "chat_template": "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}</s>\n{% endfor %}"
+                         "{% if add_generation_prompt %}<|assistant|>\n{% endif %}",
     }, indent=2))
 
 

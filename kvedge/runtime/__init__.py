@@ -1,5 +1,45 @@
-"""Running exported or reference models: generation over preallocated caches."""
+"""Running models: backends (torch, onnxruntime) behind one protocol, sessions and generation."""
 
-from kvedge.runtime.greedy import GreedyResult, greedy
+from __future__ import annotations
 
-__all__ = ["GreedyResult", "greedy"]
+from pathlib import Path
+
+from kvedge.errors import KvedgeError
+from kvedge.runtime.backend import Backend
+from kvedge.runtime.sampling import SamplingParams
+from kvedge.runtime.session import GenerationResult, Session
+
+BACKENDS = ("onnxruntime", "torch")
+
+
+def load(path: str | Path, backend: str = "auto", *, max_batch: int | None = None, max_seq_len: int = 2048,
+         threads: int = 0, providers: list[str] | None = None, device: str | None = None,
+         dtype: str | None = None, chunk_size: int = 512) -> Session:
+    """Open a session. `path` is an export folder (kvedge.json; backend onnxruntime) or a Hugging Face
+    checkpoint (config.json; backend torch). backend="auto" picks by what the folder holds."""
+    from kvedge.export.contract import SIDECAR
+    from kvedge.runtime.tokenizer import Tokenizer
+
+    path = Path(path)
+    if backend == "auto":
+        backend = "onnxruntime" if (path / SIDECAR).is_file() else "torch"
+    if backend == "onnxruntime":
+        if not (path / SIDECAR).is_file():
+            hint = " (this is a checkpoint: run `kvedge export` first, or use backend='torch')" \
+                if (path / "config.json").is_file() else ""
+            raise KvedgeError(f"{path}: no {SIDECAR}; the onnxruntime backend runs an export folder{hint}")
+        from kvedge.runtime.ort_backend import OrtBackend
+
+        be: Backend = OrtBackend(path, providers=providers, threads=threads, max_batch=max_batch)
+    elif backend == "torch":
+        from kvedge.runtime.torch_backend import TorchBackend
+
+        be = TorchBackend(path, max_batch=max_batch or 4, max_seq_len=max_seq_len, dtype=dtype, device=device,
+                          threads=threads)
+    else:
+        raise KvedgeError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)} (tensorrt: not yet)")
+    tokenizer = Tokenizer(path) if (path / "tokenizer.json").is_file() else None
+    return Session(be, tokenizer, chunk_size=chunk_size)
+
+
+__all__ = ["BACKENDS", "Backend", "GenerationResult", "SamplingParams", "Session", "load"]

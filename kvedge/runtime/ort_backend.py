@@ -60,6 +60,13 @@ class OrtBackend:
         self._bound_batch = 0
 
     def _check_graph(self) -> None:
+        sc = self.sidecar
+        for spec, arg in zip(sc.inputs, self.session.get_inputs()):
+            want = [d if isinstance(d, int) else None for d in spec["shape"]]
+            got = [d if isinstance(d, int) else None for d in arg.shape]
+            if spec["name"] == arg.name and want != got:
+                raise KvedgeError(f"{self.dir}: input {arg.name!r} has shape {arg.shape} in the graph but "
+                                  f"{spec['shape']} in kvedge.json; re-export")
         got_in = [i.name for i in self.session.get_inputs()]
         got_out = [o.name for o in self.session.get_outputs()]
         want_in, want_out = [i["name"] for i in self.sidecar.inputs], [o["name"] for o in self.sidecar.outputs]
@@ -83,6 +90,9 @@ class OrtBackend:
     def reset(self) -> None:
         for t in self.caches:
             t.zero_()
+
+    def cache_tensors(self) -> list[torch.Tensor]:
+        return self.caches
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
                 logits_index: torch.Tensor) -> torch.Tensor:

@@ -25,7 +25,7 @@ def test_transformers_loads_it_and_agrees_with_kvedge(tmp_path):
     hf = AutoModelForCausalLM.from_pretrained(path).eval()
     tok = PreTrainedTokenizerFast.from_pretrained(path)
     ids = tok("Hello, Jetson!", return_tensors="pt").input_ids
-    assert ids[0].tolist() == [b + 3 for b in b"Hello, Jetson!"]  # byte-level: id = byte + 3
+    assert ids[0].tolist() == [0] + [b + 3 for b in b"Hello, Jetson!"]  # <s>, then id = byte + 3
     model = load_decoder(path)
     with torch.no_grad():
         ref = hf(ids).logits

@@ -1,0 +1,69 @@
+"""Choosing the next token from logits: greedy, temperature, top-k, top-p, repetition penalty.
+
+Order (as in Hugging Face's logits processors): repetition penalty, temperature, top-k, top-p, then
+a draw from the remaining distribution with the session's seeded generator. temperature == 0 is greedy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvedge.errors import KvedgeError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0  # 1.0: off
+    repetition_penalty: float = 1.0  # 1.0: off
+    seed: int | None = None
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise KvedgeError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise KvedgeError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise KvedgeError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.repetition_penalty <= 0:
+            raise KvedgeError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
+    """logits [B, V]; seen [B, V] bool: tokens already in each row. Positive logits are divided by the
+    penalty, negative ones multiplied (CTRL's rule, as transformers applies it)."""
+    penalized = torch.where(logits > 0, logits / penalty, logits * penalty)
+    return torch.where(seen, penalized, logits)
+
+
+def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Set everything outside the top-k and the top-p nucleus to -inf. logits [B, V] (temperature applied)."""
+    if top_k and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        cum = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
+        drop = cum - torch.softmax(sorted_logits, dim=-1) >= top_p  # keep the smallest set reaching top_p
+        drop[:, 0] = False
+        logits = logits.masked_fill(drop.scatter(1, order, drop), float("-inf"))
+    return logits
+
+
+def next_tokens(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
+                seen: torch.Tensor | None = None) -> torch.Tensor:
+    """logits [B, V] float -> tokens [B] int64."""
+    if params.repetition_penalty != 1.0 and seen is not None:
+        logits = apply_repetition_penalty(logits, seen, params.repetition_penalty)
+    if params.greedy:
+        return logits.argmax(-1)
+    logits = filter_logits(logits / params.temperature, params.top_k, params.top_p)
+    probs = torch.softmax(logits, dim=-1)
+    return torch.multinomial(probs, 1, generator=generator)[:, 0]

@@ -1,0 +1,249 @@
+"""Session: one backend, its caches, the positions of each row, and the generation loop.
+
+    s = kvedge.load("out/")                       # an export folder (onnxruntime) or a checkpoint (torch)
+    print(s.generate("Once upon a time", max_new_tokens=32).texts[0])
+    logits = s.prefill([[1, 2, 3]]); logits = s.decode([7])
+
+Every input is checked before any state changes, so after an error the session is as it was.
+The cache never overflows: a request that would not fit is refused up front (or, with
+truncate=True, the prompt's oldest tokens are dropped to make room).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Sequence
+
+import torch
+
+from kvedge.errors import KvedgeError
+from kvedge.runtime.backend import Backend
+from kvedge.runtime.sampling import SamplingParams, next_tokens
+from kvedge.runtime.tokenizer import Tokenizer
+
+Ids = Sequence[int] | Sequence[Sequence[int]] | torch.Tensor
+
+
+@dataclass
+class GenerationResult:
+    tokens: list[list[int]]  # generated tokens per row (prompt excluded)
+    texts: list[str]  # decoded text per row ("" without a tokenizer)
+    finish_reasons: list[str]  # "eos" | "stop" | "length"
+    prompt_tokens: list[int]
+    prefill_s: float
+    decode_s: float
+    decode_steps: int
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """Tokens per second per row over the decode steps (the first token comes from the prefill)."""
+        return self.decode_steps / self.decode_s if self.decode_s > 0 else float("nan")
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        return sum(self.prompt_tokens) / self.prefill_s if self.prefill_s > 0 else float("nan")
+
+
+class Session:
+    def __init__(self, backend: Backend, tokenizer: Tokenizer | None = None, chunk_size: int = 512):
+        if chunk_size < 1:
+            raise KvedgeError(f"chunk_size must be >= 1, got {chunk_size}")
+        self.backend, self.tokenizer, self.chunk_size = backend, tokenizer, chunk_size
+        self.cfg = backend.cfg
+        self.lengths = torch.zeros(backend.max_batch, dtype=torch.long)  # tokens held per row
+        self.batch = 0
+        self._zero_index = torch.zeros(backend.max_batch, dtype=torch.long)
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.backend.max_seq_len
+
+    def reset(self) -> None:
+        self.lengths.zero_()
+        self.batch = 0
+
+    # -- input checks (no state is touched before they pass) -------------------------------
+    def _rows(self, ids: Ids) -> list[list[int]]:
+        if isinstance(ids, torch.Tensor):
+            ids = ids.tolist()
+        ids = list(ids)
+        if not ids:
+            raise KvedgeError("no input ids given")
+        rows = [list(r) for r in ids] if isinstance(ids[0], (list, tuple)) else [list(ids)]
+        if len(rows) > self.backend.max_batch:
+            raise KvedgeError(f"batch {len(rows)} exceeds this session's max_batch {self.backend.max_batch}")
+        v = self.cfg.vocab_size
+        for r, row in enumerate(rows):
+            if not row:
+                raise KvedgeError(f"row {r} of the input is empty")
+            for i, t in enumerate(row):
+                if not isinstance(t, int) or not 0 <= t < v:
+                    raise KvedgeError(f"token id {t!r} at row {r}, position {i} is outside the vocabulary [0, {v})")
+        return rows
+
+    def _fit(self, rows: list[list[int]], reserve: int, truncate: bool) -> list[list[int]]:
+        room = self.max_seq_len - reserve
+        for r, row in enumerate(rows):
+            if len(row) > room:
+                if not truncate or room < 1:
+                    raise KvedgeError(
+                        f"row {r}: {len(row)} prompt tokens + {reserve} to generate exceed the cache's "
+                        f"max_seq_len {self.max_seq_len}; shorten the prompt, lower max_new_tokens, export with a "
+                        f"larger --max-seq-len, or pass truncate=True to drop the oldest prompt tokens")
+                rows[r] = row[-room:]
+        return rows
+
+    # -- the two steps -----------------------------------------------------------------------
+    def prefill(self, ids: Ids, truncate: bool = False, reserve: int = 0) -> torch.Tensor:
+        """Start new sequences: run their prompts in chunks. Returns the last token's logits [B, V]."""
+        rows = self._fit(self._rows(ids), reserve, truncate)
+        self.reset()
+        b = len(rows)
+        self.batch = b
+        lens = torch.tensor([len(r) for r in rows])
+        longest = int(lens.max())
+        out = torch.empty(b, self.cfg.vocab_size)
+        padded = torch.zeros(b, longest, dtype=torch.long)
+        for r, row in enumerate(rows):
+            padded[r, :len(row)] = torch.tensor(row)
+        for start in range(0, longest, self.chunk_size):
+            end = min(start + self.chunk_size, longest)
+            chunk = padded[:, start:end]
+            # A row shorter than this chunk is right-padded: its padding lands in slots past its
+            # last token, invisible to it and overwritten by its decode steps; its logits are ignored.
+            pos = torch.arange(start, end).expand(b, -1).contiguous()
+            last = (lens - 1 - start).clamp(0, end - start - 1)
+            logits = self.backend.forward(chunk, pos, last)[:, 0]
+            here = (lens - 1 >= start) & (lens - 1 < end)
+            out[here] = logits[here].float()
+        self.lengths[:b] = lens
+        return out
+
+    def decode(self, next_ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
+        """Append one token per row; returns the next logits [B, V]."""
+        if self.batch == 0:
+            raise KvedgeError("decode before prefill: call prefill (or generate) first")
+        t = torch.as_tensor(next_ids, dtype=torch.long).reshape(-1)
+        if t.numel() != self.batch:
+            raise KvedgeError(f"decode got {t.numel()} tokens for a batch of {self.batch}")
+        v = self.cfg.vocab_size
+        if bool((t < 0).any() | (t >= v).any()):
+            raise KvedgeError(f"decode token ids {t.tolist()} are outside the vocabulary [0, {v})")
+        lengths = self.lengths[:self.batch]
+        if int(lengths.max()) >= self.max_seq_len:
+            raise KvedgeError(f"the cache is full (max_seq_len {self.max_seq_len}); reset() or start a new prefill")
+        logits = self.backend.forward(t[:, None], lengths[:, None], self._zero_index[:self.batch])[:, 0]
+        lengths += 1
+        return logits
+
+    # -- generation ----------------------------------------------------------------------------
+    def _encode_prompts(self, prompt, chat: bool) -> list[list[int]]:
+        if isinstance(prompt, torch.Tensor) or (isinstance(prompt, (list, tuple)) and prompt
+                                                 and not isinstance(prompt[0], str)):
+            return self._rows(prompt)
+        texts = [prompt] if isinstance(prompt, str) else list(prompt)
+        if self.tokenizer is None:
+            raise KvedgeError("text prompts need a tokenizer (tokenizer.json in the model folder); pass token ids")
+        if chat:
+            texts = [self.tokenizer.apply_chat_template([{"role": "user", "content": t}]) for t in texts]
+            return self._rows([self.tokenizer.encode(t, add_special_tokens=False) for t in texts])
+        return self._rows([self.tokenizer.encode(t) for t in texts])
+
+    def stream(self, prompt, max_new_tokens: int = 64, sampling: SamplingParams | None = None,
+               stop: Sequence[str] = (), eos_token_id: int | Sequence[int] | None = -1, chat: bool = False,
+               truncate: bool = False) -> Iterator[tuple[int, int, str]]:
+        """Yield (row, token id, new text) as tokens are produced; see `generate` for the arguments."""
+        result: list[GenerationResult] = []
+        yield from self._run(prompt, max_new_tokens, sampling, stop, eos_token_id, chat, truncate, result)
+
+    def generate(self, prompt, max_new_tokens: int = 64, sampling: SamplingParams | None = None,
+                 stop: Sequence[str] = (), eos_token_id: int | Sequence[int] | None = -1, chat: bool = False,
+                 truncate: bool = False, on_token: Callable[[int, int, str], None] | None = None) -> GenerationResult:
+        """Generate for one prompt or a batch (text or ids). eos_token_id=-1 uses the model's; None disables.
+        `on_token(row, token, new_text)` streams; `stop` strings end a row and are cut from its text."""
+        result: list[GenerationResult] = []
+        for event in self._run(prompt, max_new_tokens, sampling, stop, eos_token_id, chat, truncate, result):
+            if on_token is not None:
+                on_token(*event)
+        return result[0]
+
+    def _run(self, prompt, max_new_tokens, sampling, stop, eos_token_id, chat, truncate, result):
+        sampling = sampling or SamplingParams()
+        if max_new_tokens < 1:
+            raise KvedgeError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        rows = self._fit(self._encode_prompts(prompt, chat), max_new_tokens, truncate)
+        eos = self._eos_ids(eos_token_id)
+        gen = torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None
+        b = len(rows)
+        seen = None
+        if sampling.repetition_penalty != 1.0:
+            seen = torch.zeros(b, self.cfg.vocab_size, dtype=torch.bool)
+            for r, row in enumerate(rows):
+                seen[r, row] = True
+        tok = self.tokenizer if (self.tokenizer is not None) else None
+        out_tokens: list[list[int]] = [[] for _ in range(b)]
+        texts, reasons = [""] * b, [""] * b
+        done = torch.zeros(b, dtype=torch.bool)
+        eos_t = torch.tensor(sorted(eos), dtype=torch.long) if eos else None
+
+        t0 = time.perf_counter()
+        logits = self.prefill(rows)
+        t1 = time.perf_counter()
+        steps = 0
+        for i in range(max_new_tokens):
+            nxt = next_tokens(logits.float(), sampling, gen, seen)
+            if seen is not None:
+                seen[torch.arange(b), nxt] = True
+            ids = nxt.tolist()
+            for r in range(b):
+                if done[r]:
+                    continue
+                out_tokens[r].append(ids[r])
+                if eos_t is not None and ids[r] in eos:
+                    done[r], reasons[r] = True, "eos"
+                    continue
+                if tok is not None:
+                    new = self._new_text(r, out_tokens[r], texts)
+                    if new:
+                        yield r, ids[r], new
+                    hit = next((s for s in stop if s in texts[r]), None)
+                    if hit is not None:
+                        texts[r] = texts[r][:texts[r].index(hit)]
+                        done[r], reasons[r] = True, "stop"
+                else:
+                    yield r, ids[r], ""
+            if bool(done.all()) or i == max_new_tokens - 1:
+                break
+            logits = self.decode(nxt)
+            steps += 1
+        t2 = time.perf_counter()
+        for r in range(b):
+            if not reasons[r]:
+                reasons[r] = "length"
+            if tok is not None and reasons[r] != "stop":
+                texts[r] = tok.decode([t for t in out_tokens[r] if t not in eos])
+        result.append(GenerationResult(out_tokens, texts, reasons, [len(r) for r in rows], t1 - t0, t2 - t1, steps))
+
+    def _new_text(self, r: int, tokens: list[int], texts: list[str]) -> str:
+        """Incremental detokenization: emit only complete characters (no dangling UTF-8 byte)."""
+        full = self.tokenizer.decode(tokens)
+        if full.endswith("\ufffd"):
+            return ""
+        new = full[len(texts[r]):] if full.startswith(texts[r]) else full
+        texts[r] = full
+        return new
+
+    def _eos_ids(self, eos_token_id) -> set[int]:
+        if eos_token_id is None:
+            return set()
+        if eos_token_id == -1:
+            ids = self.cfg.eos_token_id
+            if ids is None and self.tokenizer is not None:
+                ids = self.tokenizer.eos_token_id
+        else:
+            ids = eos_token_id
+        if ids is None:
+            return set()
+        return {int(i) for i in (ids if isinstance(ids, (list, tuple, set)) else [ids])}

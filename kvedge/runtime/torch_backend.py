@@ -1,0 +1,45 @@
+"""The torch backend: the reference Decoder over a preallocated KVCache, on CPU or CUDA."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from kvedge.errors import KvedgeError
+from kvedge.models import KVCache, load_decoder
+
+
+class TorchBackend:
+    name = "torch"
+
+    def __init__(self, model_dir: str | Path, max_batch: int = 4, max_seq_len: int = 2048,
+                 dtype: str | None = None, device: str | None = None, threads: int = 0):
+        if not (Path(model_dir) / "config.json").is_file():
+            raise KvedgeError(f"{model_dir}: the torch backend needs the Hugging Face checkpoint (config.json + "
+                              f"safetensors); an export folder holds only the ONNX graph")
+        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        if device.startswith("cuda") and not torch.cuda.is_available():
+            raise KvedgeError(f"device {device!r} asked for, but torch sees no CUDA GPU here")
+        if threads:
+            torch.set_num_threads(threads)
+        self.device = torch.device(device)
+        self.model = load_decoder(model_dir, dtype=dtype, device=self.device)
+        self.cfg = self.model.cfg
+        if self.cfg.positions == "learned" and max_seq_len > self.cfg.max_position_embeddings:
+            max_seq_len = self.cfg.max_position_embeddings
+        self.max_batch, self.max_seq_len = max_batch, max_seq_len
+        param = next(self.model.parameters())
+        self.cache = KVCache.allocate(self.cfg, max_batch, max_seq_len, dtype=param.dtype, device=self.device)
+
+    @torch.inference_mode()
+    def forward(self, input_ids, position_ids, logits_index):
+        d = self.device
+        return self.model(input_ids.to(d), position_ids.to(d), self.cache.for_batch(input_ids.shape[0]),
+                          logit_index=logits_index.to(d)).float()
+
+    def reset(self) -> None:
+        self.cache.zero_()
+
+    def cache_tensors(self) -> list[torch.Tensor]:
+        return self.cache.keys + self.cache.values
