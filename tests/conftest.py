@@ -10,6 +10,8 @@ import os
 import pytest
 import torch
 
+MAX_SEQ = 64  # cache length of the exports the tests share
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
@@ -71,5 +73,24 @@ def hf_checkpoint(tmp_path_factory):
             path = tmp_path_factory.mktemp(case)
             made[case] = (path, save_hf_model(path, model_type, **overrides))
         return made[case]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def exported(tmp_path_factory, hf_checkpoint):
+    """exported(case, lowering, **options) -> export folder, one per combination per session."""
+    made = {}
+
+    def get(case: str, lowering: str, **kw):
+        key = (case, lowering, tuple(sorted(kw.items())))
+        if key not in made:
+            path, _ = hf_checkpoint(case)
+            out = tmp_path_factory.mktemp(f"{case}-{lowering}")
+            from kvedge.export import ExportOptions, export
+
+            opts = ExportOptions(attention=lowering, max_seq_len=MAX_SEQ, max_batch=3, force=True, **kw)
+            made[key] = (out, export(path, out, opts))
+        return made[key]
 
     return get

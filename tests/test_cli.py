@@ -8,7 +8,8 @@ from kvedge.cli import main
 def test_demo_runs_and_prints_throughput(tmp_path, capsys):
     assert main(["demo", "--out", str(tmp_path), "--max-new-tokens", "8", "--quiet"]) == 0
     out = capsys.readouterr().out
-    assert "output:" in out and "tokens/s" in out
+    assert "output:" in out and "tokens/s" in out and "parity: onnxruntime tokens == torch tokens" in out
+    assert (tmp_path / "onnx" / "kvedge.json").is_file()
     assert (tmp_path / "checkpoint" / "model.safetensors").is_file()
 
 

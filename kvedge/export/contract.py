@@ -55,6 +55,16 @@ def io_spec(cfg: ModelConfig, dtype: str, max_seq_len: int, logits_dtype: str) -
     return inputs, outputs
 
 
+def compatible(version: str) -> bool:
+    """Same major version (and, before 1.0, the same minor): the contract may change between them."""
+    try:
+        theirs = [int(x) for x in version.split(".")[:2]]
+    except ValueError:
+        return False
+    ours = [int(x) for x in __version__.split(".")[:2]]
+    return len(theirs) == 2 and (theirs == ours if ours[0] == 0 else theirs[0] == ours[0])
+
+
 @dataclass
 class Sidecar:
     model: ModelConfig
@@ -104,6 +114,9 @@ class Sidecar:
         if d.get("format") != FORMAT:
             raise KvedgeError(f"{path}: sidecar format {d.get('format')!r}, this kvedge reads format {FORMAT}; "
                               f"re-export with kvedge {__version__}")
+        if not compatible(str(d.get("kvedge_version", ""))):
+            raise KvedgeError(f"{path}: written by kvedge {d.get('kvedge_version')!r}, which this kvedge "
+                              f"({__version__}) cannot read; re-export with kvedge {__version__}")
         known = {"format", "kvedge_version", "lowering", "dtype", "opset", "max_seq_len", "max_batch",
                  "onnx_file", "external_data", "inputs", "outputs", "verification", "model", "cache"}
         return cls(model=ModelConfig.from_dict(d["model"]), lowering=d["lowering"], dtype=d["dtype"],

@@ -56,6 +56,9 @@ class OrtBackend:
         logits_dtype = torch.float32 if sc.outputs[0]["dtype"] == "float32" else self.dtype
         self.logits = torch.empty((self.max_batch, 1, self.cfg.vocab_size), dtype=logits_dtype)
         self._in, self._out = input_names(n), output_names(n)
+        # ORT's GroupQueryAttention refuses a multi-token chunk over a non-empty cache when batch > 1:
+        # the session then prefills such batches in one chunk.
+        self.chunked_prefill_max_batch = 1 if sc.lowering == "ort" else None
         self.binding = self.session.io_binding()
         self._bound_batch = 0
 

@@ -108,8 +108,12 @@ class Session:
         padded = torch.zeros(b, longest, dtype=torch.long)
         for r, row in enumerate(rows):
             padded[r, :len(row)] = torch.tensor(row)
-        for start in range(0, longest, self.chunk_size):
-            end = min(start + self.chunk_size, longest)
+        chunk_size = self.chunk_size
+        limit = getattr(self.backend, "chunked_prefill_max_batch", None)
+        if limit is not None and b > limit:
+            chunk_size = longest  # the backend cannot continue a multi-row prefill over a cache
+        for start in range(0, longest, chunk_size):
+            end = min(start + chunk_size, longest)
             chunk = padded[:, start:end]
             # A row shorter than this chunk is right-padded: its padding lands in slots past its
             # last token, invisible to it and overwritten by its decode steps; its logits are ignored.
@@ -223,7 +227,10 @@ class Session:
             if not reasons[r]:
                 reasons[r] = "length"
             if tok is not None and reasons[r] != "stop":
-                texts[r] = tok.decode([t for t in out_tokens[r] if t not in eos])
+                final = tok.decode([t for t in out_tokens[r] if t not in eos])
+                if final.startswith(texts[r]) and len(final) > len(texts[r]):
+                    yield r, out_tokens[r][-1], final[len(texts[r]):]  # what was held back (partial bytes)
+                texts[r] = final
         result.append(GenerationResult(out_tokens, texts, reasons, [len(r) for r in rows], t1 - t0, t2 - t1, steps))
 
     def _new_text(self, r: int, tokens: list[int], texts: list[str]) -> str:

@@ -13,7 +13,7 @@ from kvedge.export.graph import cached_attention
 from kvedge.export.lowerings import LOWERINGS
 from kvedge.models.attention import attention
 from kvedge.runtime.ort_backend import OrtBackend
-from tests.export.conftest import MAX_SEQ
+from tests.conftest import MAX_SEQ
 
 
 @pytest.mark.parametrize("lowering", ["onnx", "decomposed"])

@@ -13,7 +13,7 @@ from kvedge.export import LOWERINGS, ExportOptions, export
 from kvedge.models import KVCache, load_decoder
 from kvedge.runtime.ort_backend import OrtBackend
 from tests.conftest import ARCH_CASES
-from tests.export.conftest import MAX_SEQ
+from tests.conftest import MAX_SEQ
 
 PROMPT, STEPS, TOL = 16, 16, 1e-4
 

@@ -1,0 +1,158 @@
+"""Session behaviour: in-place caches, bad input (and recovery), cache limits, stops, streaming, CLI."""
+
+from __future__ import annotations
+
+import json
+import tracemalloc
+
+import pytest
+import torch
+
+from kvedge.cli import main
+from kvedge.errors import KvedgeError
+from kvedge.export import ExportOptions, export
+from kvedge.models.demo import write_demo_checkpoint
+from kvedge.runtime import SamplingParams, Session, load
+from kvedge.runtime.ort_backend import OrtBackend
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    """The demo checkpoint and its default export (max_seq_len 256, max_batch 2)."""
+    root = tmp_path_factory.mktemp("demo")
+    ckpt = write_demo_checkpoint(root / "ckpt")
+    export(ckpt, root / "onnx", ExportOptions(max_seq_len=256, max_batch=2))
+    return ckpt, root / "onnx"
+
+
+def test_cache_buffers_stay_put_and_per_step_allocations_do_not_grow(demo):
+    session = load(demo[1])
+    backend = session.backend
+    addresses = [t.data_ptr() for t in backend.cache_tensors()]
+    session.prefill([[0, 5, 6, 7]])
+    bound = [v.data_ptr() for v in backend.binding.get_outputs()[:-1]]  # bound before the logits
+    assert bound == addresses  # present outputs are the cache buffers themselves
+    tok = torch.tensor([9])
+    for _ in range(20):  # warm up
+        session.decode(tok)
+    tracemalloc.start()
+    for _ in range(40):
+        session.decode(tok)
+    after_40, _ = tracemalloc.get_traced_memory()
+    for _ in range(140):
+        session.decode(tok)
+    after_180, _ = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert [t.data_ptr() for t in backend.cache_tensors()] == addresses  # 200 decode steps later
+    assert [v.data_ptr() for v in backend.binding.get_outputs()[:-1]] == addresses
+    assert after_180 - after_40 < 16 * 1024, "Python-side memory grows with decode steps"
+    assert int(session.lengths[0]) == 4 + 200
+
+
+def fresh_tokens(session):
+    return session.generate([[0, 40, 41, 42]], max_new_tokens=8, eos_token_id=None).tokens
+
+
+def test_bad_inputs_raise_and_the_session_stays_usable(demo):
+    session = load(demo[1])
+    good = fresh_tokens(session)
+    cases = [
+        (lambda: session.generate([[0] * 250], max_new_tokens=10), r"250 prompt tokens \+ 10 to generate exceed"),
+        (lambda: session.generate([[0, 300]]), r"token id 300 at row 0, position 1 is outside the vocabulary"),
+        (lambda: session.generate([[-1]]), r"token id -1"),
+        (lambda: session.generate([[1], [2], [3]]), r"batch 3 exceeds this session's max_batch 2"),
+        (lambda: session.generate([[]]), r"row 0 of the input is empty"),
+        (lambda: session.decode([1, 2]), r"decode got 2 tokens for a batch of 1"),
+        (lambda: session.decode([999]), r"outside the vocabulary"),
+        (lambda: session.generate("hi", max_new_tokens=0), r"max_new_tokens must be >= 1"),
+    ]
+    for call, msg in cases:
+        with pytest.raises(KvedgeError, match=msg):
+            call()
+        assert fresh_tokens(session) == good, msg
+
+
+def test_truncation_only_when_asked(demo):
+    session = load(demo[1])
+    long = [0] + list(range(3, 253))  # 251 tokens
+    r = session.generate([long], max_new_tokens=10, truncate=True, eos_token_id=None)
+    assert r.prompt_tokens == [246] and len(r.tokens[0]) == 10
+    assert r.tokens == session.generate([long[-246:]], max_new_tokens=10, eos_token_id=None).tokens
+
+
+def test_cache_never_overflows(demo):
+    session = load(demo[1])
+    session.prefill([[0] * 250])
+    for _ in range(6):
+        session.decode([5])
+    with pytest.raises(KvedgeError, match=r"the cache is full \(max_seq_len 256\)"):
+        session.decode([5])
+
+
+def test_sidecar_and_graph_disagreeing_or_from_another_version(demo, tmp_path):
+    import shutil
+
+    bad = tmp_path / "bad"
+    shutil.copytree(demo[1], bad)
+    meta = json.loads((bad / "kvedge.json").read_text())
+    meta["inputs"][3]["name"] = "past_key.99"
+    (bad / "kvedge.json").write_text(json.dumps(meta))
+    with pytest.raises(KvedgeError, match=r"the graph and .*kvedge.json disagree"):
+        load(bad)
+    meta["inputs"][3]["name"] = "past_key.0"
+    meta["inputs"][3]["shape"] = ["batch", 8, 256, 32]  # as if the cache had q_heads
+    (bad / "kvedge.json").write_text(json.dumps(meta))
+    with pytest.raises(KvedgeError, match=r"input 'past_key.0' has shape .* in the graph but"):
+        load(bad)
+    meta["kvedge_version"] = "7.0.0"
+    (bad / "kvedge.json").write_text(json.dumps(meta))
+    with pytest.raises(KvedgeError, match=r"written by kvedge '7.0.0', which this kvedge .* cannot read"):
+        load(bad)
+
+
+def test_missing_provider(demo):
+    with pytest.raises(KvedgeError, match=r"provider\(s\) \['CUDAExecutionProvider'\] are not available"):
+        OrtBackend(demo[1], providers=["CUDAExecutionProvider"])
+
+
+def test_eos_stop_strings_and_streaming(demo):
+    session = load(demo[1])
+    base = session.generate("Once", max_new_tokens=12, eos_token_id=None)
+    toks = base.tokens[0]
+    eos_at = toks[4]
+    r = session.generate("Once", max_new_tokens=12, eos_token_id=eos_at)
+    assert r.finish_reasons == ["eos"] and r.tokens[0] == toks[:toks.index(eos_at) + 1]
+    assert len(base.texts[0]) >= 3
+    stop = base.texts[0][1:3]
+    r = session.generate("Once", max_new_tokens=12, eos_token_id=None, stop=[stop])
+    assert r.finish_reasons == ["stop"] and stop not in r.texts[0] and base.texts[0].startswith(r.texts[0])
+    pieces = []
+    session.generate("Once", max_new_tokens=12, eos_token_id=None, on_token=lambda r, t, s: pieces.append(s))
+    assert "".join(pieces) == base.texts[0]
+    assert "".join(s for _, _, s in session.stream("Once", max_new_tokens=12, eos_token_id=None)) == base.texts[0]
+
+
+def test_chat_template_and_sampled_generation(demo):
+    session = load(demo[1])
+    text = session.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert text == "<|user|>\nhi</s>\n<|assistant|>\n"
+    a = session.generate("hi", chat=True, max_new_tokens=6, sampling=SamplingParams(temperature=0.8, seed=3))
+    b = session.generate("hi", chat=True, max_new_tokens=6, sampling=SamplingParams(temperature=0.8, seed=3))
+    assert a.tokens == b.tokens
+    assert a.prompt_tokens == [len(text.encode()) - len("</s>") + 1]  # </s> is one special token, no BOS added
+
+
+def test_torch_backend_refuses_an_export_folder(demo):
+    with pytest.raises(KvedgeError, match="torch backend needs the Hugging Face checkpoint"):
+        load(demo[1], backend="torch")
+    with pytest.raises(KvedgeError, match="run `kvedge export` first"):
+        load(demo[0], backend="onnxruntime")
+
+
+def test_cli_generate_streams_and_reports(demo, capsys):
+    assert main(["generate", str(demo[1]), "--prompt", "Once", "--max-new-tokens", "5", "--ignore-eos"]) == 0
+    captured = capsys.readouterr()
+    assert "tokens/s" in captured.err and "5 tokens" in captured.err
+    assert main(["generate", str(demo[1]), "--ids", "0,70,71", "--max-new-tokens", "3", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["prompt_tokens"] == 3 and len(out["tokens"]) <= 3 and out["backend"] == "onnxruntime"
