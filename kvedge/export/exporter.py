@@ -34,7 +34,7 @@ DTYPES = ("fp32", "fp16", "bf16")
 @dataclass
 class ExportOptions:
     dtype: str = "fp32"
-    attention: str = "decomposed"
+    attention: str = "ort"  # the fastest on ONNX Runtime CPU (benchmarks/decode_vs_peers.py)
     max_seq_len: int = 2048
     max_batch: int = 4
     force: bool = False

@@ -26,7 +26,9 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        # x / sqrt(mean(x^2) + eps), written with Div so ONNX Runtime fuses it into one
+        # SimplifiedLayerNormalization kernel after export (rsqrt exports as Sqrt + Reciprocal).
+        xf = xf / torch.sqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.unit_offset:  # gemma: scale by (1 + w), computed in float32
             return (xf * (1.0 + self.weight.float())).to(x.dtype)
         return self.weight * xf.to(x.dtype)

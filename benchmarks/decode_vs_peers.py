@@ -1,0 +1,143 @@
+"""Decode tokens/s and prefill time of kvedge's onnxruntime backend against its CPU peers, in one run.
+
+    python benchmarks/decode_vs_peers.py [--genai-python PATH] [--lowerings decomposed,onnx,ort]
+
+Model: SmolLM2-135M's shape with random weights, fp32, batch 1, prompt 128, generate 128 (greedy,
+EOS ignored), 2 threads. Peers, each measured here, now, on the same checkpoint:
+- ONNX Runtime GenAI (its own model builder and generate loop), when --genai-python names a Python
+  with onnxruntime-genai installed (it is not a kvedge dependency: its pins may differ from ours);
+- Hugging Face transformers `generate` (the PyTorch eager reference).
+Figures are medians of --repeat runs after a warm-up; ratios are against GenAI in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+import torch
+
+GENAI_RUNNER = textwrap.dedent("""
+    import json, sys, time
+    import onnxruntime_genai as og
+    path, prompt_len, gen_len, repeat = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+    model = og.Model(path)
+    prompt = [0] + list(range(3, 3 + prompt_len - 1))
+    def once():
+        params = og.GeneratorParams(model)
+        params.set_search_options(do_sample=False, max_length=prompt_len + gen_len, min_length=prompt_len + gen_len)
+        gen = og.Generator(model, params)
+        t0 = time.perf_counter(); gen.append_tokens(prompt); t1 = time.perf_counter()
+        n = 0
+        while not gen.is_done():
+            gen.generate_next_token(); n += 1
+        t2 = time.perf_counter()
+        return t1 - t0, n / (t2 - t1)
+    once()
+    runs = [once() for _ in range(repeat)]
+    print(json.dumps({"prefill_s": sorted(r[0] for r in runs)[len(runs) // 2],
+                      "decode_tps": sorted(r[1] for r in runs)[len(runs) // 2]}))
+""")
+
+
+def median(xs):
+    return statistics.median(xs)
+
+
+def bench_kvedge(export_dir: Path, prompt: list[int], gen: int, repeat: int, threads: int):
+    from kvedge.runtime import load
+
+    s = load(export_dir, threads=threads)
+    s.generate([prompt], max_new_tokens=8, eos_token_id=None)
+    runs = [s.generate([prompt], max_new_tokens=gen, eos_token_id=None) for _ in range(repeat)]
+    return median([r.prefill_s for r in runs]), median([r.decode_tokens_per_s for r in runs]), runs[0].tokens[0]
+
+
+def bench_transformers(ckpt: Path, prompt: list[int], gen: int, repeat: int):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(ckpt).eval()
+    ids = torch.tensor([prompt])
+    # an explicit mask: the prompt starts with token 0 (BOS), which generate must not take for padding
+    kw = dict(do_sample=False, pad_token_id=2, eos_token_id=None, attention_mask=torch.ones_like(ids))
+
+    def timed(n):
+        t = time.perf_counter()
+        with torch.inference_mode():
+            out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, **kw)
+        return time.perf_counter() - t, out[0, len(prompt):].tolist()
+
+    timed(4)
+    prefill = median([timed(1)[0] for _ in range(repeat)])
+    full = [timed(gen) for _ in range(repeat)]
+    decode = (gen - 1) / (median([f[0] for f in full]) - prefill)
+    return prefill, decode, full[0][1]
+
+
+def bench_genai(python: str, ckpt: Path, work: Path, prompt_len: int, gen: int, repeat: int, threads: int):
+    out = work / "genai"
+    if not (out / "genai_config.json").is_file():
+        subprocess.run([python, "-m", "onnxruntime_genai.models.builder", "-i", str(ckpt), "-o", str(out),
+                        "-p", "fp32", "-e", "cpu", "-c", str(work / "genai-cache")],
+                       check=True, capture_output=True)
+    cfg = json.loads((out / "genai_config.json").read_text())
+    cfg["model"]["decoder"].setdefault("session_options", {})["intra_op_num_threads"] = threads
+    (out / "genai_config.json").write_text(json.dumps(cfg, indent=2))
+    r = subprocess.run([python, "-c", GENAI_RUNNER, str(out), str(prompt_len), str(gen), str(repeat)],
+                       check=True, capture_output=True, text=True)
+    d = json.loads(r.stdout.strip().splitlines()[-1])
+    return d["prefill_s"], d["decode_tps"]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--genai-python", help="a Python interpreter with onnxruntime-genai 0.18 installed")
+    p.add_argument("--lowerings", default="decomposed,onnx,ort")
+    p.add_argument("--prompt", type=int, default=128)
+    p.add_argument("--gen", type=int, default=128)
+    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--work", default=None, help="folder for the checkpoint and exports (default: a temp dir)")
+    a = p.parse_args()
+    torch.set_num_threads(a.threads)
+
+    from kvedge.export import ExportOptions, export
+    from kvedge.models.demo import write_demo_checkpoint
+
+    work = Path(a.work or tempfile.mkdtemp(prefix="kvedge-peers-"))
+    ckpt = write_demo_checkpoint(work / "smollm2-135m", "smollm2-135m")
+    prompt = [0] + list(range(3, 3 + a.prompt - 1))
+    rows = []
+    genai = None
+    if a.genai_python:
+        genai = bench_genai(a.genai_python, ckpt, work, a.prompt, a.gen, a.repeat, a.threads)
+        rows.append(("onnxruntime-genai 0.18", *genai))
+    hf = bench_transformers(ckpt, prompt, a.gen, a.repeat)
+    rows.append(("transformers generate", hf[0], hf[1]))
+    for low in a.lowerings.split(","):
+        out = work / f"kvedge-{low}"
+        if not (out / "kvedge.json").is_file():
+            export(ckpt, out, ExportOptions(attention=low, max_seq_len=a.prompt + a.gen, max_batch=1, force=True))
+        pre, dec, toks = bench_kvedge(out, prompt, a.gen, a.repeat, a.threads)
+        rows.append((f"kvedge onnxruntime ({low})", pre, dec))
+        same = "same" if toks == hf[2] else "DIFFERENT"
+        print(f"kvedge {low}: greedy tokens {same} as transformers", file=sys.stderr)
+
+    print(f"SmolLM2-135M shape (random weights), fp32, batch 1, prompt {a.prompt}, gen {a.gen}, "
+          f"{a.threads} threads, median of {a.repeat}")
+    print(f"{'runtime':<30} {'prefill ms':>10} {'decode tok/s':>13} {'decode x genai':>15} {'prefill x genai':>16}")
+    for name, pre, dec in rows:
+        r_dec = f"{dec / genai[1]:.2f}" if genai else "-"
+        r_pre = f"{genai[0] / pre:.2f}" if genai else "-"
+        print(f"{name:<30} {pre * 1e3:10.1f} {dec:13.1f} {r_dec:>15} {r_pre:>16}")
+
+
+if __name__ == "__main__":
+    main()
