@@ -121,6 +121,158 @@ def cmd_export(args) -> int:
     return 0
 
 
+def _resolve(path: str):
+    """(export folder or None, checkpoint folder or None) for a PATH given to bench / parity."""
+    from kvedge.export.contract import SIDECAR, Sidecar
+
+    p = Path(path)
+    if (p / SIDECAR).is_file():
+        src = Sidecar.read(p).extra.get("source_checkpoint")
+        return p, (Path(src) if src and (Path(src) / "config.json").is_file() else None)
+    if (p / "config.json").is_file():
+        return None, p
+    raise KvedgeError(f"{p}: neither an export folder (kvedge.json) nor a checkpoint (config.json)")
+
+
+def _sessions(args, export_dir, ckpt, names, max_seq_len, max_batch):
+    from kvedge.runtime import load
+
+    opened = {}
+    for name in names:
+        if name == "onnxruntime":
+            if export_dir is None:
+                raise KvedgeError("the onnxruntime backend needs an export folder: run `kvedge export` first")
+            opened[name] = lambda: load(export_dir, "onnxruntime", threads=args.threads, max_batch=max_batch)
+        elif name == "torch":
+            if ckpt is None:
+                raise KvedgeError("the torch backend needs the checkpoint; the export does not record a readable "
+                                  "one: pass --reference CHECKPOINT")
+            opened[name] = lambda: load(ckpt, "torch", threads=args.threads, max_seq_len=max_seq_len,
+                                        max_batch=max_batch, device=getattr(args, "device", None))
+        else:
+            raise KvedgeError(f"unknown backend {name!r}; choose from onnxruntime, torch (tensorrt: not yet)")
+    return opened
+
+
+def cmd_bench(args) -> int:
+    from kvedge.bench import latency
+
+    export_dir, ckpt = _resolve(args.path)
+    if args.reference:
+        ckpt = Path(args.reference)
+    prompt_lens = [int(x) for x in args.prompt_lens.split(",")]
+    batches = [int(x) for x in args.batch.split(",")]
+    need = max(prompt_lens) + args.gen_len
+    if export_dir is not None:
+        from kvedge.export.contract import Sidecar
+
+        sc = Sidecar.read(export_dir)
+        if need > sc.max_seq_len:
+            raise KvedgeError(f"prompt {max(prompt_lens)} + gen {args.gen_len} exceeds the export's max_seq_len "
+                              f"{sc.max_seq_len}")
+    names = args.backend.split(",")
+    opened = _sessions(args, export_dir, ckpt, names, need, max(batches))
+    results = latency.run(opened, prompt_lens, batches, args.gen_len, args.warmup, args.repeat,
+                          progress=None if args.quiet else (lambda m: print(m, file=sys.stderr, flush=True)))
+    import platform
+
+    import torch
+
+    context = {"path": str(args.path), "gen_len": args.gen_len, "warmup": args.warmup, "repeat": args.repeat,
+               "threads": args.threads or torch.get_num_threads(), "machine": platform.machine(),
+               "cuda": torch.cuda.is_available()}
+    for r in results:
+        if r.kv_formula_bytes != r.kv_allocated_bytes:
+            raise KvedgeError(f"{r.backend}: KV cache formula {r.kv_formula_bytes} B != allocated "
+                              f"{r.kv_allocated_bytes} B")
+    paths = latency.write_reports(results, Path(args.out), context)
+    print(json.dumps([r.__dict__ for r in results], indent=2) if args.json else latency.table(results))
+    _say(args, "wrote " + ", ".join(str(p) for p in paths))
+    return 0
+
+
+def cmd_parity(args) -> int:
+    from kvedge.bench.parity import compare
+
+    export_dir, ckpt = _resolve(args.path)
+    if args.reference:
+        ckpt = Path(args.reference)
+    names = args.backend.split(",")
+    sessions = _sessions(args, export_dir, ckpt, ["torch"] + [n for n in names if n != "torch"],
+                         args.prompt_len + args.steps + 2, 1)
+    reference = sessions.pop("torch")()
+    tol = {k: v for k, v in (("max_rel", args.max_rel), ("min_cosine", args.min_cosine)) if v is not None}
+    dtype = args.dtype or (Sidecar_dtype(export_dir) if export_dir else "fp32")
+    if args.ids:
+        prompt = [int(t) for t in args.ids.split(",")]
+    else:
+        import torch
+
+        g = torch.Generator().manual_seed(args.seed)
+        prompt = torch.randint(3, reference.cfg.vocab_size, (args.prompt_len,), generator=g).tolist()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    ok = True
+    for name, open_session in sessions.items():
+        rep = compare(open_session(), reference, prompt, args.steps, dtype, tol)
+        (out / f"parity-{name}.json").write_text(json.dumps(rep.to_json(), indent=2))
+        (out / f"parity-{name}.md").write_text(rep.markdown())
+        worst = max(rep.steps, key=lambda s: s.max_rel)
+        print(f"{name} vs torch ({dtype}): {'PASSED' if rep.passed else 'FAILED'}; worst step {worst.step}: "
+              f"max abs {worst.max_abs:.2e}, max rel {worst.max_rel:.2e}, cosine {min(s.cosine for s in rep.steps):.6f}; "
+              f"top-1 agreement {sum(s.top1_agree for s in rep.steps)}/{len(rep.steps)}; greedy "
+              + ("agrees" if rep.greedy_agree else f"diverges at step {rep.first_divergent_step}")
+              + ("" if rep.first_failing_step is None else f"; first failing step {rep.first_failing_step}"))
+        ok &= rep.passed
+    _say(args, f"wrote {out}/parity-*.json and .md")
+    return 0 if ok else 1
+
+
+def Sidecar_dtype(export_dir) -> str:
+    from kvedge.export.contract import Sidecar
+
+    return Sidecar.read(export_dir).dtype
+
+
+def cmd_plan(args) -> int:
+    from kvedge.bench.plan import DEVICES, plan
+    from kvedge.models import load_config
+
+    cfg = load_config(args.model)
+    p = plan(cfg, args.seq_len, args.batch, args.dtype, args.kv_dtype, args.memory_gb, args.device)
+    mib = 2**20
+    info = {"model": f"{cfg.arch}, {cfg.num_layers} layers, {cfg.num_heads} q / {cfg.num_kv_heads} kv heads",
+            "weights_bytes": p.weights_bytes, "kv_bytes": p.kv_bytes, "activation_bytes": p.activation_bytes,
+            "total_bytes": p.total_bytes, "usable_bytes": p.usable_bytes, "fits": p.fits,
+            "max_context_at_batch": p.max_context, "memory_max_context_at_batch": p.memory_max_context,
+            "max_batch_at_seq_len": p.max_batch,
+            "kv_bytes_per_token_by_attention": p.kv_by_attention}
+    if args.device:
+        d = DEVICES[args.device]
+        info["device"] = f"{d.note}; {d.memory_gb} GiB, reserve {d.reserve_gb} GiB assumed"
+    if args.json:
+        print(json.dumps(info, indent=2))
+        return 0
+    print(f"model: {info['model']}; seq_len {args.seq_len}, batch {args.batch}, weights {args.dtype}, "
+          f"KV {args.kv_dtype or args.dtype}")
+    if args.device:
+        print(f"device: {info['device']}")
+    print(f"  weights      {p.weights_bytes / mib:12.1f} MiB")
+    print(f"  KV cache     {p.kv_bytes / mib:12.1f} MiB")
+    print(f"  activations  {p.activation_bytes / mib:12.1f} MiB (estimate)")
+    print(f"  total        {p.total_bytes / mib:12.1f} MiB")
+    if p.usable_bytes is not None:
+        print(f"  usable       {p.usable_bytes / mib:12.1f} MiB -> {'fits' if p.fits else 'DOES NOT FIT'}")
+        capped = "" if p.max_context == p.memory_max_context else \
+            f" (the model's limit; memory alone would allow {p.memory_max_context})"
+        print(f"  largest context at batch {args.batch}: {p.max_context} tokens{capped}; "
+              f"largest batch at {args.seq_len} tokens: {p.max_batch}")
+    print("  KV cache per token if the same model used:")
+    for k, v in p.kv_by_attention.items():
+        print(f"    {k:<48} {v / 1024:10.1f} KiB")
+    return 0 if p.fits in (None, True) else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvedge", description=__doc__)
     p.add_argument("--version", action="version", version=f"kvedge {__version__}")
@@ -177,6 +329,50 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true", help="print the sidecar as JSON")
     s.add_argument("--quiet", action="store_true", help="no progress lines")
     s.set_defaults(fn=cmd_export)
+
+    s = sub.add_parser("bench", help="latency and memory per backend: table, JSON, CSV, Markdown and PNG plots")
+    s.add_argument("path", help="export folder (onnxruntime; torch via its source checkpoint) or checkpoint")
+    s.add_argument("--backend", default="onnxruntime,torch", help="comma-separated: onnxruntime,torch")
+    s.add_argument("--prompt-lens", default="128,512")
+    s.add_argument("--gen-len", type=int, default=128)
+    s.add_argument("--batch", default="1", help="comma-separated batch sizes")
+    s.add_argument("--warmup", type=int, default=1)
+    s.add_argument("--repeat", type=int, default=3)
+    s.add_argument("--threads", type=int, default=0)
+    s.add_argument("--reference", help="checkpoint for the torch backend (default: the one the export recorded)")
+    s.add_argument("--device", default=None, help="torch device (default: cuda if present, else cpu)")
+    s.add_argument("-o", "--out", default="bench-report", help="report folder (default ./bench-report)")
+    s.add_argument("--json", action="store_true")
+    s.add_argument("--quiet", action="store_true")
+    s.set_defaults(fn=cmd_bench)
+
+    s = sub.add_parser("parity", help="compare a backend with the PyTorch reference step by step")
+    s.add_argument("path", help="export folder (its source checkpoint is the reference) or checkpoint")
+    s.add_argument("--backend", default="onnxruntime")
+    s.add_argument("--steps", type=int, default=32)
+    s.add_argument("--prompt-len", type=int, default=16, help="length of the seeded random prompt")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--ids", help="the prompt as comma-separated token ids (instead of a random one)")
+    s.add_argument("--dtype", choices=("fp32", "fp16", "bf16"), help="tolerance preset (default: the export's)")
+    s.add_argument("--max-rel", type=float, help="override: max |logit error| / max(1, largest |logit|)")
+    s.add_argument("--min-cosine", type=float, help="override: minimum cosine per step")
+    s.add_argument("--reference", help="checkpoint to compare against (default: the one the export recorded)")
+    s.add_argument("--threads", type=int, default=0)
+    s.add_argument("-o", "--out", default="parity-report")
+    s.add_argument("--quiet", action="store_true")
+    s.set_defaults(fn=cmd_parity)
+
+    s = sub.add_parser("plan", help="memory plan: weights + KV cache + activations against a device")
+    s.add_argument("model", help="checkpoint directory or config.json")
+    s.add_argument("--device", help="a known device: " + ", ".join(__import__("kvedge.bench.plan",
+                                                                             fromlist=["DEVICES"]).DEVICES))
+    s.add_argument("--memory-gb", type=float, help="usable memory in GiB (instead of --device)")
+    s.add_argument("--seq-len", type=int, default=4096)
+    s.add_argument("--batch", type=int, default=1)
+    s.add_argument("--dtype", default="fp16", help="weight dtype: fp32, fp16, bf16, int8, int4")
+    s.add_argument("--kv-dtype", default=None, help="cache dtype (default: --dtype)")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(fn=cmd_plan)
 
     s = sub.add_parser("make-demo", help="write the built-in demo checkpoint (Hugging Face format) to DIR")
     s.add_argument("dir")

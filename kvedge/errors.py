@@ -22,12 +22,14 @@ class MissingDependencyError(KvedgeError):
 
 
 def require(module: str, extra: str, feature: str):
-    """Import an optional dependency, or raise a one-line error naming the package and extra."""
+    """Import an optional dependency, or raise a one-line error naming the package and what installs it
+    (`extra` is a kvedge extra, or the package itself when it is a core dependency)."""
     import importlib
 
     try:
         return importlib.import_module(module)
     except ImportError as e:  # pragma: no cover - exercised where the package is absent
         raise MissingDependencyError(
-            f"{feature} needs the '{module.split('.')[0]}' package: pip install 'kvedge[{extra}]' ({e})"
+            f"{feature} needs the '{module.split('.')[0]}' package: pip install "
+            + (f"'kvedge[{extra}]'" if extra != module.split(".")[0] else extra) + f" ({e})"
         ) from None

@@ -196,7 +196,8 @@ def export(model_dir: str | Path, out_dir: str | Path, options: ExportOptions | 
     logits_dtype = "float32" if o.dtype == "fp32" else {"fp16": "float16", "bf16": "bfloat16"}[o.dtype]
     inputs, outputs = io_spec(cfg, o.dtype, o.max_seq_len, logits_dtype)
     sidecar = Sidecar(model=cfg, lowering=low.NAME, dtype=o.dtype, opset=low.OPSET, max_seq_len=o.max_seq_len,
-                      max_batch=o.max_batch, inputs=inputs, outputs=outputs, external_data=external)
+                      max_batch=o.max_batch, inputs=inputs, outputs=outputs, external_data=external,
+                      extra={"source_checkpoint": str(model_dir.resolve())})
     if o.verify:
         from kvedge.export.verify import verify
 

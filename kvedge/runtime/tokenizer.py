@@ -14,7 +14,7 @@ class Tokenizer:
         path = folder / "tokenizer.json"
         if not path.is_file():
             raise KvedgeError(f"{folder}: no tokenizer.json; pass token ids instead of text, or add the tokenizer")
-        tokenizers = require("tokenizers", "runtime", "text input")
+        tokenizers = require("tokenizers", "tokenizers", "text input")
         self._tok = tokenizers.Tokenizer.from_file(str(path))
         cfg_path = folder / "tokenizer_config.json"
         self.config = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
@@ -38,7 +38,7 @@ class Tokenizer:
         """Render the checkpoint's Jinja chat template (as transformers does) into the prompt text."""
         if not self.chat_template:
             raise KvedgeError("this tokenizer has no chat_template (tokenizer_config.json or chat_template.jinja)")
-        require("jinja2", "runtime", "chat templates")
+        require("jinja2", "jinja2", "chat templates")
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)

@@ -1,0 +1,133 @@
+"""`kvedge plan`: will a model fit a device? Weights + KV cache + an activation estimate, per figure.
+
+Figures (bytes, each stated separately):
+- weights: parameter count from the config (embeddings, every layer, lm_head unless tied) x dtype bytes;
+- KV cache: 2 * layers * kv_heads * head_dim * kv bytes, per token, times context and batch;
+- activations: the largest transient of one forward over a prefill chunk of `chunk` tokens:
+  batch * chunk * (4 * hidden + 2 * intermediate + q_heads * context) * compute bytes, plus the
+  logits of one position, batch * vocab * 4 (an estimate, not a measurement);
+- usable memory: the device's memory minus its documented reserve (OS, CUDA context, display).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvedge.errors import KvedgeError
+from kvedge.models.cache import dtype_bytes, kv_bytes_per_token, mla_bytes_per_token
+from kvedge.models.config import ModelConfig
+
+GiB = 1024**3
+
+
+@dataclass(frozen=True)
+class Device:
+    name: str
+    memory_gb: float  # physical memory as sold (GiB)
+    reserve_gb: float  # kept back for the OS, CUDA context, display: our assumption, documented here
+    unified: bool  # CPU and GPU share the memory (Jetson)
+    note: str
+
+
+# Reserves on Jetson boards: the L4T desktop-less image with the CUDA/TensorRT runtime loaded keeps
+# roughly 1.5-2.5 GiB busy (more with a desktop); we assume the upper end so a plan errs on the safe side.
+DEVICES = {d.name: d for d in (
+    Device("orin-nano-8gb", 8, 2.5, True, "Jetson Orin Nano 8GB: 8 GiB LPDDR5 shared by CPU and GPU"),
+    Device("orin-nx-16gb", 16, 3.0, True, "Jetson Orin NX 16GB"),
+    Device("agx-orin-32gb", 32, 4.0, True, "Jetson AGX Orin 32GB"),
+    Device("agx-orin-64gb", 64, 5.0, True, "Jetson AGX Orin 64GB"),
+    Device("agx-thor", 128, 8.0, True, "Jetson AGX Thor (T5000): 128 GiB LPDDR5X"),
+    Device("rtx-4090", 24, 1.0, False, "GeForce RTX 4090 24GB: CUDA context + workspace"),
+    Device("rtx-4080", 16, 1.0, False, "GeForce RTX 4080 16GB"),
+    Device("rtx-3060-12gb", 12, 0.8, False, "GeForce RTX 3060 12GB"),
+    Device("l4", 24, 1.0, False, "NVIDIA L4 24GB"),
+    Device("a100-80gb", 80, 2.0, False, "A100 80GB"),
+    Device("h100-80gb", 80, 2.0, False, "H100 80GB"),
+)}
+
+
+def parameter_count(cfg: ModelConfig) -> int:
+    h, i, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    norm = h * (2 if cfg.norm == "layer" else 1)
+    per_layer = h * cfg.qkv_size + (cfg.qkv_size if cfg.qkv_bias else 0)
+    per_layer += cfg.num_heads * d * h + (h if cfg.o_bias else 0)
+    up = 2 * i if cfg.mlp == "glu" else i
+    per_layer += h * up + i * h + ((up + h) if cfg.mlp_bias else 0)
+    per_layer += norm * (4 if cfg.post_norms else 2) + (2 * d if cfg.qk_norm else 0)
+    total = cfg.num_layers * per_layer + cfg.vocab_size * h + norm
+    if cfg.positions == "learned":
+        total += cfg.max_position_embeddings * h
+    if not cfg.tie_embeddings:
+        total += cfg.vocab_size * h
+    return total
+
+
+def activation_bytes(cfg: ModelConfig, context: int, batch: int, chunk: int, dtype: str) -> int:
+    c = min(chunk, context)
+    per_token = 4 * cfg.hidden_size + 2 * cfg.intermediate_size + cfg.num_heads * context
+    return int(batch * c * per_token * dtype_bytes(dtype) + batch * cfg.vocab_size * 4)
+
+
+@dataclass
+class Plan:
+    weights_bytes: int
+    kv_bytes: int
+    activation_bytes: int
+    usable_bytes: int | None
+    max_context: int | None  # by memory, capped at the model's max_position_embeddings
+    max_batch: int | None
+    memory_max_context: int | None  # by memory alone
+    kv_by_attention: dict[str, int]
+
+    @property
+    def total_bytes(self) -> int:
+        return self.weights_bytes + self.kv_bytes + self.activation_bytes
+
+    @property
+    def fits(self) -> bool | None:
+        return None if self.usable_bytes is None else self.total_bytes <= self.usable_bytes
+
+
+def plan(cfg: ModelConfig, seq_len: int, batch: int = 1, dtype: str = "fp16", kv_dtype: str | None = None,
+         memory_gb: float | None = None, device: str | None = None, chunk: int = 512) -> Plan:
+    kv_dtype = kv_dtype or dtype
+    if seq_len < 1 or batch < 1:
+        raise KvedgeError(f"--seq-len and --batch must be >= 1, got {seq_len}, {batch}")
+    usable = None
+    if device is not None:
+        if device not in DEVICES:
+            raise KvedgeError(f"unknown device {device!r}; known: {', '.join(DEVICES)}")
+        dev = DEVICES[device]
+        usable = int((dev.memory_gb - dev.reserve_gb) * GiB)
+    elif memory_gb is not None:
+        usable = int(memory_gb * GiB)
+    weights = int(parameter_count(cfg) * dtype_bytes(dtype))
+    per_token = kv_bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, kv_dtype)
+    act = activation_bytes(cfg, seq_len, batch, chunk, dtype)
+    max_ctx = max_b = mem_ctx = None
+    if usable is not None:
+        mem_ctx = _largest(lambda n: weights + per_token * n * batch + activation_bytes(cfg, n, batch, chunk, dtype)
+                           <= usable, 1 << 24)
+        max_ctx = min(mem_ctx, cfg.max_position_embeddings)
+        max_b = _largest(lambda b: weights + per_token * seq_len * b + activation_bytes(cfg, seq_len, b, chunk, dtype)
+                         <= usable, 1 << 16)
+    d = cfg.head_dim
+    kv_by = {
+        "MHA": kv_bytes_per_token(cfg.num_layers, cfg.num_heads, d, kv_dtype),
+        f"{cfg.attention_kind} (this model)": per_token,
+        "MQA": kv_bytes_per_token(cfg.num_layers, 1, d, kv_dtype),
+        "MLA (d_c = 4 head_dim, d_rope = head_dim / 2)": mla_bytes_per_token(cfg.num_layers, 4 * d, d // 2, kv_dtype),
+    }
+    return Plan(weights, per_token * seq_len * batch, act, usable, max_ctx, max_b, mem_ctx, kv_by)
+
+
+def _largest(fits, hi: int) -> int:
+    """The largest n in [0, hi] with fits(n) (fits is monotone decreasing)."""
+    lo = 0
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
