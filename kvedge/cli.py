@@ -172,15 +172,33 @@ def cmd_bench(args) -> int:
                               f"{sc.max_seq_len}")
     names = args.backend.split(",")
     opened = _sessions(args, export_dir, ckpt, names, need, max(batches))
-    results = latency.run(opened, prompt_lens, batches, args.gen_len, args.warmup, args.repeat,
-                          progress=None if args.quiet else (lambda m: print(m, file=sys.stderr, flush=True)))
-    import platform
-
     import torch
 
+    from kvedge import doctor
+    from kvedge.jetson import Sampler
+
+    env = doctor.facts()
+    jet = env["jetson"]
+    sampler = None
+    if jet["is_jetson"]:
+        if jet["clocks_pinned"] is not True:
+            print("kvedge bench: warning: the clocks are not pinned (run `sudo jetson_clocks`); figures will "
+                  "vary with DVFS", file=sys.stderr)
+        sampler = Sampler()
+        if not sampler.start():
+            print(f"kvedge bench: warning: no telemetry: {sampler.error}", file=sys.stderr)
+    try:
+        results = latency.run(opened, prompt_lens, batches, args.gen_len, args.warmup, args.repeat,
+                              progress=None if args.quiet else (lambda m: print(m, file=sys.stderr, flush=True)))
+    finally:
+        if sampler is not None:
+            sampler.stop()
     context = {"path": str(args.path), "gen_len": args.gen_len, "warmup": args.warmup, "repeat": args.repeat,
-               "threads": args.threads or torch.get_num_threads(), "machine": platform.machine(),
-               "cuda": torch.cuda.is_available()}
+               "threads": args.threads or torch.get_num_threads(), "platform": env["platform"],
+               "cuda": env["cuda_available"], "gpu": (env["gpu"] or {}).get("name"), "torch": env["torch"],
+               "onnxruntime": env["onnxruntime"], "jetson": jet if jet["is_jetson"] else False}
+    if sampler is not None:
+        context["tegrastats"] = sampler.summary()
     for r in results:
         if r.kv_formula_bytes != r.kv_allocated_bytes:
             raise KvedgeError(f"{r.backend}: KV cache formula {r.kv_formula_bytes} B != allocated "
@@ -271,6 +289,17 @@ def cmd_plan(args) -> int:
     for k, v in p.kv_by_attention.items():
         print(f"    {k:<48} {v / 1024:10.1f} KiB")
     return 0 if p.fits in (None, True) else 1
+
+
+def cmd_doctor(args) -> int:
+    from kvedge import doctor
+
+    f = doctor.facts()
+    if args.json:
+        print(json.dumps({"facts": f, "features": doctor.features(f)}, indent=2))
+    else:
+        print(doctor.table(f))
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -373,6 +402,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--kv-dtype", default=None, help="cache dtype (default: --dtype)")
     s.add_argument("--json", action="store_true")
     s.set_defaults(fn=cmd_plan)
+
+    s = sub.add_parser("doctor", help="report the environment and which kvedge features it can run")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(fn=cmd_doctor)
 
     s = sub.add_parser("make-demo", help="write the built-in demo checkpoint (Hugging Face format) to DIR")
     s.add_argument("dir")
