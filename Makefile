@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 # The CPU build of torch; override on a GPU machine, e.g. `make setup TORCH=torch`.
 TORCH  ?= torch==2.13.0
 
-.PHONY: setup demo test bench clean
+.PHONY: setup demo test tensorrt clean
 
 setup: $(VENV)/.kvedge-setup
 
@@ -20,6 +20,10 @@ demo: setup
 
 test: setup
 	$(BIN)/python -m pytest -q -n 2
+
+# On a Jetson or GPU machine with TensorRT: build -> parity against torch -> bench (skips elsewhere).
+tensorrt: setup
+	$(BIN)/python -m pytest -v -rs tests/tensorrt -s
 
 clean:
 	rm -rf $(VENV) demo .pytest_cache

@@ -149,8 +149,12 @@ def _sessions(args, export_dir, ckpt, names, max_seq_len, max_batch):
                                   "one: pass --reference CHECKPOINT")
             opened[name] = lambda: load(ckpt, "torch", threads=args.threads, max_seq_len=max_seq_len,
                                         max_batch=max_batch, device=getattr(args, "device", None))
+        elif name == "tensorrt":
+            if export_dir is None:
+                raise KvedgeError("the tensorrt backend needs an export folder with model.engine (kvedge build)")
+            opened[name] = lambda: load(export_dir, "tensorrt")
         else:
-            raise KvedgeError(f"unknown backend {name!r}; choose from onnxruntime, torch (tensorrt: not yet)")
+            raise KvedgeError(f"unknown backend {name!r}; choose from onnxruntime, torch, tensorrt")
     return opened
 
 
@@ -291,6 +295,34 @@ def cmd_plan(args) -> int:
     return 0 if p.fits in (None, True) else 1
 
 
+def cmd_check(args) -> int:
+    from kvedge.export.trt_plan import select_path
+    from kvedge.export.trt_support import check
+
+    rep = check(args.model, args.trt_version)
+    path = select_path(args.trt_version)
+    if args.json:
+        print(json.dumps({"tensorrt": args.trt_version, "buildable": rep.buildable, "lowering_wanted": path.lowering,
+                          "findings": [f.__dict__ for f in rep.findings]}, indent=2))
+    else:
+        for f in rep.findings:
+            print(f"{'error' if f.blocking else 'note'}: [{f.kind}] {f.message}")
+        print(f"TensorRT {args.trt_version}: {'buildable' if rep.buildable else 'NOT buildable'} "
+              f"(this version wants --attention {path.lowering}; KV cache "
+              f"{'in place' if path.in_place_cache else 'double-buffered'})")
+    return 0 if rep.buildable else 1
+
+
+def cmd_build(args) -> int:
+    from kvedge.export.trt_build import build
+
+    report = build(args.path, args.precision, args.max_batch, args.max_prefill_len, args.workspace_gb,
+                   args.timing_cache, args.opt_level, progress=None if args.quiet else
+                   (lambda m: print(m, file=sys.stderr, flush=True)))
+    print(json.dumps(report, indent=2))
+    return 0
+
+
 def cmd_doctor(args) -> int:
     from kvedge import doctor
 
@@ -402,6 +434,23 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--kv-dtype", default=None, help="cache dtype (default: --dtype)")
     s.add_argument("--json", action="store_true")
     s.set_defaults(fn=cmd_plan)
+
+    s = sub.add_parser("check", help="pre-flight: would TensorRT X.Y build this ONNX graph? (no TensorRT needed)")
+    s.add_argument("model", help="model.onnx")
+    s.add_argument("--trt-version", required=True, help="e.g. 8.6, 10.3, 10.15, 11.0")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(fn=cmd_check)
+
+    s = sub.add_parser("build", help="build model.engine with TensorRT (on the device; needs TensorRT + GPU)")
+    s.add_argument("path", help="export folder")
+    s.add_argument("--precision", choices=("fp16", "bf16", "fp32"), default="fp16")
+    s.add_argument("--max-batch", type=int)
+    s.add_argument("--max-prefill-len", type=int)
+    s.add_argument("--workspace-gb", type=float, default=4.0)
+    s.add_argument("--timing-cache", help="timing cache file, read and updated")
+    s.add_argument("--opt-level", type=int, default=3)
+    s.add_argument("--quiet", action="store_true")
+    s.set_defaults(fn=cmd_build)
 
     s = sub.add_parser("doctor", help="report the environment and which kvedge features it can run")
     s.add_argument("--json", action="store_true")

@@ -9,7 +9,7 @@ from kvedge.runtime.backend import Backend
 from kvedge.runtime.sampling import SamplingParams
 from kvedge.runtime.session import GenerationResult, Session
 
-BACKENDS = ("onnxruntime", "torch")
+BACKENDS = ("onnxruntime", "torch", "tensorrt")
 
 
 def load(path: str | Path, backend: str = "auto", *, max_batch: int | None = None, max_seq_len: int = 2048,
@@ -31,13 +31,17 @@ def load(path: str | Path, backend: str = "auto", *, max_batch: int | None = Non
         from kvedge.runtime.ort_backend import OrtBackend
 
         be: Backend = OrtBackend(path, providers=providers, threads=threads, max_batch=max_batch)
+    elif backend == "tensorrt":
+        from kvedge.runtime.trt_backend import TrtBackend
+
+        be = TrtBackend(path)
     elif backend == "torch":
         from kvedge.runtime.torch_backend import TorchBackend
 
         be = TorchBackend(path, max_batch=max_batch or 4, max_seq_len=max_seq_len, dtype=dtype, device=device,
                           threads=threads)
     else:
-        raise KvedgeError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)} (tensorrt: not yet)")
+        raise KvedgeError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
     tokenizer = Tokenizer(path) if (path / "tokenizer.json").is_file() else None
     return Session(be, tokenizer, chunk_size=chunk_size)
 

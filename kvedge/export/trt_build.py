@@ -1,0 +1,118 @@
+"""`kvedge build`: an export folder -> model.engine, with TensorRT's Python API. Needs TensorRT and a GPU.
+
+Thin by design: the version gate, the profiles and the pre-flight come from kvedge.export.trt_plan
+and trt_support (tested in CI); this module only makes the TensorRT calls, per the documented API:
+- Builder / OnnxParser.parse_from_file (external data resolved next to the file);
+- 8.x: create_network(1 << EXPLICIT_BATCH); 10.x: create_network(0); 11.x: STRONGLY_TYPED;
+- BuilderConfig.set_memory_pool_limit(MemoryPoolType.WORKSPACE, ...), builder_optimization_level,
+  BuilderFlag.FP16 / BF16 only before 11 (strongly typed networks take precision from the graph);
+- create_optimization_profile().set_shape(name, min, opt, max), two profiles (prefill, decode);
+- create_timing_cache / set_timing_cache / get_timing_cache().serialize();
+- build_serialized_network; IProgressMonitor (10.0+) for progress.
+NOT YET RUN on real TensorRT: no machine kvedge has been developed on has TensorRT.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Callable
+
+from kvedge.errors import KvedgeError, require
+from kvedge.export.contract import Sidecar
+from kvedge.export.trt_plan import TrtPath, profiles, select_path
+from kvedge.export.trt_support import check
+
+
+def _progress_monitor(trt, say):
+    class Monitor(trt.IProgressMonitor):
+        def __init__(self):
+            trt.IProgressMonitor.__init__(self)
+
+        def phase_start(self, phase_name, parent_phase, num_steps):
+            say(f"  {phase_name} ({num_steps} steps)")
+
+        def step_complete(self, phase_name, step):
+            return True  # False would cancel the build
+
+        def phase_finish(self, phase_name):
+            pass
+
+    return Monitor()
+
+
+def build(export_dir: str | Path, precision: str = "fp16", max_batch: int | None = None,
+          max_prefill_len: int | None = None, workspace_gb: float = 4.0, timing_cache: str | Path | None = None,
+          opt_level: int = 3, progress: Callable[[str], None] | None = None) -> dict:
+    trt = require("tensorrt", "tensorrt", "kvedge build")
+    say = progress or (lambda m: None)
+    export_dir = Path(export_dir)
+    sc = Sidecar.read(export_dir)
+    path: TrtPath = select_path(trt.__version__)
+    if sc.lowering != path.lowering:
+        raise KvedgeError(f"TensorRT {trt.__version__} wants the {path.lowering!r} lowering; this export is "
+                          f"{sc.lowering!r}: re-export with --attention {path.lowering}")
+    pre = check(export_dir / sc.onnx_file, ".".join(map(str, path.version)))
+    if not pre.buildable:
+        raise KvedgeError("kvedge check found blocking issues:\n" + "\n".join(f"  - {f.message}" for f in pre.findings))
+    if path.strongly_typed and precision != sc.dtype:
+        raise KvedgeError(f"TensorRT {trt.__version__} builds strongly typed networks: precision comes from the "
+                          f"graph ({sc.dtype}); re-export with --dtype {precision}")
+
+    logger = trt.Logger(trt.Logger.WARNING)
+    builder = trt.Builder(logger)
+    flags = 0
+    if path.explicit_batch_flag:
+        flags |= 1 << int(trt.NetworkDefinitionCreationFlag.EXPLICIT_BATCH)
+    if path.strongly_typed:
+        flags |= 1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED)
+    network = builder.create_network(flags)
+    parser = trt.OnnxParser(network, logger)
+    say(f"parsing {export_dir / sc.onnx_file}")
+    if not parser.parse_from_file(str(export_dir / sc.onnx_file)):
+        errors = [str(parser.get_error(i)) for i in range(parser.num_errors)]
+        raise KvedgeError("TensorRT's ONNX parser failed:\n" + "\n".join(f"  - {e}" for e in errors))
+
+    config = builder.create_builder_config()
+    config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, int(workspace_gb * 2**30))
+    config.builder_optimization_level = opt_level
+    if path.precision_flags and precision in ("fp16", "bf16"):
+        config.set_flag(trt.BuilderFlag.FP16 if precision == "fp16" else trt.BuilderFlag.BF16)
+    for prof in profiles(sc, max_batch, max_prefill_len):
+        p = builder.create_optimization_profile()
+        for name, (lo, opt, hi) in prof.shapes.items():
+            p.set_shape(name, lo, opt, hi)
+        config.add_optimization_profile(p)
+    cache_bytes = Path(timing_cache).read_bytes() if timing_cache and Path(timing_cache).is_file() else b""
+    cache = config.create_timing_cache(cache_bytes)
+    config.set_timing_cache(cache, ignore_mismatch=False)
+    if path.progress_monitor:
+        config.progress_monitor = _progress_monitor(trt, say)
+
+    say(f"building (TensorRT {trt.__version__}, {precision}, profiles prefill + decode)")
+    t0 = time.perf_counter()
+    serialized = builder.build_serialized_network(network, config)
+    if serialized is None:
+        raise KvedgeError("TensorRT failed to build the engine (see its log above)")
+    seconds = time.perf_counter() - t0
+    engine_path = export_dir / "model.engine"
+    tmp = engine_path.with_suffix(".engine.partial")
+    tmp.write_bytes(bytes(serialized))
+    os.replace(tmp, engine_path)
+    if timing_cache:
+        Path(timing_cache).write_bytes(bytes(config.get_timing_cache().serialize()))
+
+    engine = trt.Runtime(logger).deserialize_cuda_engine(bytes(serialized))
+    per_profile = {}
+    for i, prof in enumerate(("prefill", "decode")):
+        fn = getattr(engine, "get_device_memory_size_for_profile_v2", None) or \
+            getattr(engine, "get_device_memory_size_for_profile", None)
+        per_profile[prof] = int(fn(i)) if fn else int(getattr(engine, "device_memory_size_v2",
+                                                                engine.device_memory_size))
+    report = {"tensorrt": trt.__version__, "precision": precision, "seconds": round(seconds, 1),
+              "engine_bytes": engine_path.stat().st_size, "device_memory_bytes_per_profile": per_profile,
+              "in_place_cache": path.in_place_cache, "lowering": sc.lowering}
+    sc.extra["engine"] = report
+    sc.write(export_dir)
+    return report

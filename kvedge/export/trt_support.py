@@ -1,0 +1,133 @@
+"""`kvedge check`: will TensorRT X.Y's ONNX parser build this graph? A pre-flight with no TensorRT.
+
+The table below is kvedge's reading of the ONNX-TensorRT operator support documents
+(onnx-tensorrt `docs/operators.md` at each release tag) and the TensorRT release notes, restricted
+to the operators decoder graphs use. An operator missing from the table is reported as unsupported
+("not in kvedge's table"), on purpose: the check errs toward saying no.
+
+Per version: the newest ONNX opset the parser reads, operators added after 8.6 (with the release
+that added them), and data types. Custom-domain nodes (com.microsoft.*, kvedge.*) are plugins: they
+need a plugin library loaded at build time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvedge.errors import KvedgeError
+from kvedge.export.trt_plan import parse_version
+
+MAX_OPSET = {(8, 6): 17, (10, 0): 20, (10, 9): 22, (10, 13): 24, (11, 0): 24}
+
+# Operators the 8.6 parser supports (subset relevant to decoder graphs).
+BASE_OPS = {
+    "Abs", "Add", "And", "ArgMax", "Cast", "Ceil", "Clip", "Concat", "Constant", "ConstantOfShape", "Cos", "CumSum",
+    "Div", "Einsum", "Equal", "Erf", "Exp", "Expand", "Flatten", "Floor", "Gather", "GatherElements", "GatherND",
+    "Gemm", "Greater", "GreaterOrEqual", "Identity", "LayerNormalization", "Less", "LessOrEqual", "Log", "MatMul",
+    "Max", "Min", "Mod", "Mul", "Neg", "Not", "Or", "Pad", "Pow", "Range", "Reciprocal", "ReduceL2", "ReduceMax",
+    "ReduceMean", "ReduceMin", "ReduceSum", "Relu", "Reshape", "ScatterElements", "ScatterND", "Shape", "Sigmoid",
+    "Sign", "Sin", "Slice", "Softmax", "Split", "Sqrt", "Squeeze", "Sub", "Tanh", "Tile", "TopK", "Transpose",
+    "Trilu", "Unsqueeze", "Where", "Xor", "DequantizeLinear", "QuantizeLinear",
+}
+# Operators added later: op -> first TensorRT release whose parser maps it.
+LATER_OPS = {
+    "Gelu": (10, 0),
+    "GroupNormalization": (10, 0),
+    "Attention": (10, 15),  # to the fused attention layer
+    "TensorScatter": (10, 15),  # to IKVCacheUpdateLayer (in-place cache write)
+    "RotaryEmbedding": (10, 15),  # to IRotaryEmbeddingLayer
+    "RMSNormalization": (10, 15),
+}
+# ONNX tensor dtypes: first TensorRT release that builds with them.
+DTYPE_SINCE = {1: (8, 6), 10: (8, 6), 6: (8, 6), 7: (8, 6), 9: (8, 6), 2: (8, 6), 3: (8, 6),
+               16: (10, 0), 17: (10, 0), 22: (10, 0)}  # float, fp16, int32, int64, bool, uint8, int8, bf16, fp8, int4
+DTYPE_NAMES = {1: "float32", 10: "float16", 6: "int32", 7: "int64", 9: "bool", 2: "uint8", 3: "int8", 16: "bfloat16",
+               17: "float8e4m3", 22: "int4", 11: "float64"}
+PLUGINS = {  # custom-domain op -> what provides it
+    ("com.microsoft", "GroupQueryAttention"): "ONNX Runtime's contrib op: no TensorRT implementation; "
+                                              "re-export with --attention onnx or decomposed",
+    ("com.microsoft", "MatMulNBits"): "ONNX Runtime's contrib op: re-export with the QDQ form for TensorRT",
+}
+
+
+@dataclass
+class Finding:
+    kind: str  # "opset" | "op" | "attribute" | "dtype" | "plugin" | "shape"
+    message: str
+    blocking: bool = True
+
+
+@dataclass
+class CheckReport:
+    version: str
+    findings: list[Finding] = field(default_factory=list)
+
+    @property
+    def buildable(self) -> bool:
+        return not any(f.blocking for f in self.findings)
+
+
+def _version_key(v: tuple[int, int], table: dict) -> int:
+    best = None
+    for k in sorted(table):
+        if k <= v:
+            best = table[k]
+    if best is None:
+        raise KvedgeError(f"TensorRT {v[0]}.{v[1]} is older than kvedge's support table (8.6)")
+    return best
+
+
+def check(model_path: str | Path, trt_version: str, dynamic_axes: tuple[str, ...] = ("batch", "seq")) -> CheckReport:
+    import onnx
+
+    v = parse_version(trt_version)
+    model = onnx.load(str(model_path), load_external_data=False)
+    rep = CheckReport(trt_version)
+    max_opset = _version_key(v, MAX_OPSET)
+    opset = next((i.version for i in model.opset_import if i.domain in ("", "ai.onnx")), None)
+    if opset is not None and opset > max_opset:
+        rep.findings.append(Finding("opset", f"graph opset {opset} is newer than TensorRT {trt_version}'s parser "
+                                             f"reads (<= {max_opset}); export with --attention decomposed (opset 17)"))
+    seen: set[tuple[str, str]] = set()
+    for node in model.graph.node:
+        key = (node.domain or "", node.op_type)
+        if key[0] not in ("", "ai.onnx"):
+            if key not in seen:
+                why = PLUGINS.get(key, "a custom op: needs its TensorRT plugin library loaded at build time")
+                rep.findings.append(Finding("plugin", f"{key[0]}::{key[1]} is a plugin node: {why}"))
+        elif node.op_type in LATER_OPS and v < LATER_OPS[node.op_type]:
+            if key not in seen:
+                since = LATER_OPS[node.op_type]
+                rep.findings.append(Finding("op", f"{node.op_type} needs TensorRT >= {since[0]}.{since[1]} "
+                                                  f"(node {node.name!r})"))
+        elif node.op_type not in BASE_OPS and node.op_type not in LATER_OPS:
+            if key not in seen:
+                rep.findings.append(Finding("op", f"{node.op_type} is not in kvedge's TensorRT support table "
+                                                  f"(node {node.name!r}); treated as unsupported"))
+        if node.op_type == "Attention" and len(node.input) > 4 and any(node.input[4:6]):
+            rep.findings.append(Finding("attribute", f"Attention node {node.name!r} has past_key/past_value inputs, "
+                                                     "which TensorRT's parser rejects"))
+        if node.op_type == "Attention" and any(a.name == "softcap" and a.f for a in node.attribute):
+            rep.findings.append(Finding("attribute", f"Attention node {node.name!r} uses softcap"))
+        seen.add(key)
+    dtypes = {t.data_type for t in model.graph.initializer}
+    dtypes |= {vi.type.tensor_type.elem_type for vi in list(model.graph.input) + list(model.graph.output)}
+    for dt in sorted(dtypes - {0}):
+        since = DTYPE_SINCE.get(dt)
+        name = DTYPE_NAMES.get(dt, f"onnx dtype {dt}")
+        if since is None:
+            rep.findings.append(Finding("dtype", f"{name} tensors are not supported by TensorRT"))
+        elif v < since:
+            rep.findings.append(Finding("dtype", f"{name} needs TensorRT >= {since[0]}.{since[1]}"))
+        elif dt == 7 and v < (10, 0):
+            rep.findings.append(Finding("dtype", "int64 tensors are cast down to int32 by TensorRT 8.x's parser "
+                                                 "(positions and ids fit)", blocking=False))
+    for vi in model.graph.input:
+        for i, d in enumerate(vi.type.tensor_type.shape.dim):
+            if d.dim_param and d.dim_param not in dynamic_axes:
+                rep.findings.append(Finding("shape", f"input {vi.name!r} axis {i} is dynamic ({d.dim_param!r}) but "
+                                                     f"the planned profiles only cover {', '.join(dynamic_axes)}"))
+            elif not d.dim_param and not d.HasField("dim_value"):
+                rep.findings.append(Finding("shape", f"input {vi.name!r} axis {i} has no size and no name"))
+    return rep

@@ -1,0 +1,166 @@
+"""The TensorRT backend: model.engine behind the Backend protocol. Needs TensorRT and a GPU.
+
+- One context per optimization profile (prefill, decode), sharing one device-memory block:
+  10.x+: create_execution_context(ExecutionContextAllocationStrategy.USER_MANAGED) and
+  set_device_memory(ptr, size); 8.x: create_execution_context_without_device_memory() and
+  context.device_memory = ptr.
+- Caches follow kvedge.export.trt_plan.buffer_plan: bound once with set_tensor_address; in place on
+  TensorRT >= 10.15, otherwise two buffers per cache tensor swapped after each step.
+- Each step: set_input_shape, set_tensor_address for the small inputs, execute_async_v3(stream).
+- Decode can be captured into a CUDA graph once shapes and addresses are stable (use_cuda_graph).
+- Device buffers come from a small allocator: torch CUDA tensors (default) or pycuda.
+NOT YET RUN on real TensorRT (see README's TensorRT section).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from kvedge.errors import KvedgeError, require
+from kvedge.export.contract import Sidecar
+from kvedge.export.trt_plan import buffer_plan, select_path
+from kvedge.models.loader import TORCH_DTYPES
+
+
+class TorchAllocator:
+    """Device buffers as torch CUDA tensors; the stream is torch's current CUDA stream."""
+
+    name = "torch"
+
+    def __init__(self):
+        if not torch.cuda.is_available():
+            raise KvedgeError("the TensorRT backend needs a CUDA GPU; torch sees none")
+        self.stream = torch.cuda.Stream()
+
+    def empty(self, shape, dtype: torch.dtype):
+        t = torch.zeros(shape, dtype=dtype, device="cuda")
+        return t, t.data_ptr()
+
+    def stream_handle(self) -> int:
+        return self.stream.cuda_stream
+
+    def synchronize(self) -> None:
+        self.stream.synchronize()
+
+
+class PycudaAllocator:
+    """Device buffers from pycuda (mem_alloc), for installs without a CUDA build of torch."""
+
+    name = "pycuda"
+
+    def __init__(self):
+        cuda = require("pycuda.driver", "pycuda", "the pycuda allocator")
+        require("pycuda.autoinit", "pycuda", "the pycuda allocator")
+        self.cuda, self.stream = cuda, cuda.Stream()
+
+    def empty(self, shape, dtype: torch.dtype):
+        n = int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size()
+        mem = self.cuda.mem_alloc(max(n, 1))
+        self.cuda.memset_d8(mem, 0, max(n, 1))
+        return mem, int(mem)
+
+    def stream_handle(self) -> int:
+        return self.stream.handle
+
+    def synchronize(self) -> None:
+        self.stream.synchronize()
+
+
+def default_allocator():
+    """torch CUDA if present, else pycuda: chosen by what is installed."""
+    if torch.cuda.is_available():
+        return TorchAllocator()
+    return PycudaAllocator()
+
+
+class TrtBackend:
+    name = "tensorrt"
+
+    def __init__(self, export_dir: str | Path, allocator=None, use_cuda_graph: bool = True):
+        trt = require("tensorrt", "tensorrt", "the TensorRT backend")
+        self.dir = Path(export_dir)
+        self.sidecar = sc = Sidecar.read(self.dir)
+        engine_path = self.dir / "model.engine"
+        if not engine_path.is_file():
+            raise KvedgeError(f"{self.dir}: no model.engine; run `kvedge build {self.dir}` on this device first")
+        self.cfg = sc.model
+        self.path = select_path(trt.__version__)
+        build = sc.extra.get("engine", {})
+        self.max_batch = build.get("max_batch", sc.max_batch)
+        self.max_seq_len = sc.max_seq_len
+        self.alloc = allocator or default_allocator()
+        self._logger = trt.Logger(trt.Logger.WARNING)
+        self.engine = trt.Runtime(self._logger).deserialize_cuda_engine(engine_path.read_bytes())
+        if self.engine is None:
+            raise KvedgeError(f"{engine_path}: TensorRT could not deserialize it (built by another TensorRT "
+                              f"version or GPU?); rebuild with `kvedge build`")
+        self.contexts = self._contexts(trt)
+        dtype = TORCH_DTYPES[sc.dtype]
+        shape = (self.max_batch, self.cfg.num_kv_heads, self.max_seq_len, self.cfg.head_dim)
+        self._buffers = {}
+        for buf in buffer_plan(sc, self.path, self.max_batch):
+            if buf.role.startswith("cache"):
+                self._buffers[buf.name] = self.alloc.empty(shape, dtype)
+        self._pairs = []  # (past name, present name, [addresses]) ; swapped when double-buffered
+        for past, present in zip([i["name"] for i in sc.inputs[3:]], [o["name"] for o in sc.outputs[1:]]):
+            if self.path.in_place_cache:
+                a = self._buffers[past][1]
+                self._pairs.append([past, present, a, a])
+            else:
+                self._pairs.append([past, present, self._buffers[f"{past}#A"][1], self._buffers[f"{past}#B"][1]])
+        logits_dtype = torch.float32 if sc.outputs[0]["dtype"] == "float32" else dtype
+        self.logits = torch.empty((self.max_batch, 1, self.cfg.vocab_size), dtype=logits_dtype, device="cuda")
+        self.use_cuda_graph = use_cuda_graph
+        self._graph = None
+
+    def _contexts(self, trt):
+        size = getattr(self.engine, "device_memory_size_v2", None) or self.engine.device_memory_size
+        self._scratch = self.alloc.empty((int(size),), torch.uint8)
+        contexts = []
+        for profile in range(self.engine.num_optimization_profiles):
+            if self.path.user_managed_memory == "v2":
+                ctx = self.engine.create_execution_context(trt.ExecutionContextAllocationStrategy.USER_MANAGED)
+                ctx.set_device_memory(self._scratch[1], int(size))
+            else:
+                ctx = self.engine.create_execution_context_without_device_memory()
+                ctx.device_memory = self._scratch[1]
+            ctx.set_optimization_profile_async(profile, self.alloc.stream_handle())
+            contexts.append(ctx)
+        return contexts  # [prefill, decode]
+
+    def cache_tensors(self) -> list[torch.Tensor]:
+        return [b[0] for b in self._buffers.values() if isinstance(b[0], torch.Tensor)]
+
+    def reset(self) -> None:
+        for t in self.cache_tensors():
+            t.zero_()
+        self._graph = None
+
+    @torch.inference_mode()
+    def forward(self, input_ids, position_ids, logits_index):
+        b, l = input_ids.shape
+        ctx = self.contexts[1 if l == 1 else 0]
+        ids = input_ids.to("cuda", torch.int64).contiguous()
+        pos = position_ids.to("cuda", torch.int64).contiguous()
+        last = logits_index.to("cuda", torch.int64).contiguous()
+        for name, t in (("input_ids", ids), ("position_ids", pos), ("logits_index", last)):
+            ctx.set_input_shape(name, tuple(t.shape))
+            ctx.set_tensor_address(name, t.data_ptr())
+        for pair in self._pairs:
+            past, present, a, bptr = pair
+            ctx.set_input_shape(past, (b, self.cfg.num_kv_heads, self.max_seq_len, self.cfg.head_dim))
+            ctx.set_tensor_address(past, a)
+            ctx.set_tensor_address(present, bptr)
+        ctx.set_tensor_address("logits", self.logits.data_ptr())
+        stream = self.alloc.stream_handle()
+        if not ctx.execute_async_v3(stream):
+            raise KvedgeError("TensorRT execute_async_v3 failed (see its log)")
+        self.alloc.synchronize()
+        if not self.path.in_place_cache:
+            for pair in self._pairs:  # the present buffer holds the updated cache: it is past next time
+                pair[2], pair[3] = pair[3], pair[2]
+        # CUDA-graph capture of the decode step (use_cuda_graph) needs stable addresses: with double
+        # buffering they alternate, so capture applies to the in-place path only; not done yet.
+        return self.logits[:b].float().cpu()
