@@ -1,4 +1,7 @@
-"""The torch backend: the reference Decoder over a preallocated KVCache, on CPU or CUDA."""
+"""The torch backend: the reference Decoder over a preallocated KVCache, on CPU or CUDA.
+
+On CUDA with triton installed, attention runs through kvedge's fused Triton kernels
+(torch.ops.kvedge.triton_attention); fused_attention=False keeps the reference op."""
 
 from __future__ import annotations
 
@@ -14,7 +17,8 @@ class TorchBackend:
     name = "torch"
 
     def __init__(self, model_dir: str | Path, max_batch: int = 4, max_seq_len: int = 2048,
-                 dtype: str | None = None, device: str | None = None, threads: int = 0):
+                 dtype: str | None = None, device: str | None = None, threads: int = 0,
+                 fused_attention: bool = True):
         if not (Path(model_dir) / "config.json").is_file():
             raise KvedgeError(f"{model_dir}: the torch backend needs the Hugging Face checkpoint (config.json + "
                               f"safetensors); an export folder holds only the ONNX graph")
@@ -31,6 +35,14 @@ class TorchBackend:
         self.max_batch, self.max_seq_len = max_batch, max_seq_len
         param = next(self.model.parameters())
         self.cache = KVCache.allocate(self.cfg, max_batch, max_seq_len, dtype=param.dtype, device=self.device)
+        self.fused = False
+        if self.device.type == "cuda" and fused_attention:
+            try:
+                from kvedge.kernels.op import attention_op
+            except ImportError:  # triton missing: the reference op still runs on CUDA
+                pass
+            else:
+                self.model.attention_op, self.fused = attention_op, True
 
     @torch.inference_mode()
     def forward(self, input_ids, position_ids, logits_index):
