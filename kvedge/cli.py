@@ -224,7 +224,9 @@ def cmd_parity(args) -> int:
                          args.prompt_len + args.steps + 2, 1)
     reference = sessions.pop("torch")()
     tol = {k: v for k, v in (("max_rel", args.max_rel), ("min_cosine", args.min_cosine)) if v is not None}
-    dtype = args.dtype or (Sidecar_dtype(export_dir) if export_dir else "fp32")
+    from kvedge.export.contract import Sidecar
+
+    dtype = args.dtype or (Sidecar.read(export_dir).dtype if export_dir else "fp32")
     if args.ids:
         prompt = [int(t) for t in args.ids.split(",")]
     else:
@@ -248,12 +250,6 @@ def cmd_parity(args) -> int:
         ok &= rep.passed
     _say(args, f"wrote {out}/parity-*.json and .md")
     return 0 if ok else 1
-
-
-def Sidecar_dtype(export_dir) -> str:
-    from kvedge.export.contract import Sidecar
-
-    return Sidecar.read(export_dir).dtype
 
 
 def cmd_plan(args) -> int:
@@ -425,8 +421,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("plan", help="memory plan: weights + KV cache + activations against a device")
     s.add_argument("model", help="checkpoint directory or config.json")
-    s.add_argument("--device", help="a known device: " + ", ".join(__import__("kvedge.bench.plan",
-                                                                             fromlist=["DEVICES"]).DEVICES))
+    from kvedge.bench.plan import DEVICES
+
+    s.add_argument("--device", help="a known device: " + ", ".join(DEVICES))
     s.add_argument("--memory-gb", type=float, help="usable memory in GiB (instead of --device)")
     s.add_argument("--seq-len", type=int, default=4096)
     s.add_argument("--batch", type=int, default=1)

@@ -94,3 +94,22 @@ def exported(tmp_path_factory, hf_checkpoint):
         return made[key]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def demo_export(tmp_path_factory):
+    """demo_export(max_seq_len, max_batch) -> (demo checkpoint, its default export), one per shape."""
+    made = {}
+
+    def get(max_seq_len: int, max_batch: int):
+        if (max_seq_len, max_batch) not in made:
+            from kvedge.export import ExportOptions, export
+            from kvedge.models.demo import write_demo_checkpoint
+
+            root = tmp_path_factory.mktemp(f"demo-{max_seq_len}-{max_batch}")
+            ckpt = write_demo_checkpoint(root / "ckpt")
+            export(ckpt, root / "onnx", ExportOptions(max_seq_len=max_seq_len, max_batch=max_batch))
+            made[(max_seq_len, max_batch)] = (ckpt, root / "onnx")
+        return made[(max_seq_len, max_batch)]
+
+    return get

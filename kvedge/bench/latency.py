@@ -203,32 +203,31 @@ def plots(results: list[Result], out: Path) -> list[Path]:
         print("kvedge bench: matplotlib is not installed; no plots (pip install 'kvedge[bench]')", file=sys.stderr)
         return []
     backends = sorted({r.backend for r in results})
-    paths = []
+    paths: list[Path] = []
+
+    def save(fig, ax, name: str, ylabel: str, title: str, legend: bool = True) -> None:
+        ax.set_ylabel(ylabel)
+        ax.set_title(title)
+        if legend:
+            ax.legend()
+        fig.tight_layout()
+        paths.append(out / name)
+        fig.savefig(paths[-1], dpi=100)
+        plt.close(fig)
+
     fig, ax = plt.subplots(figsize=(6, 4))
+    smallest = min(x.batch for x in results)
     for be in backends:
-        rs = sorted((r for r in results if r.backend == be and r.batch == min(x.batch for x in results)),
-                    key=lambda r: r.prompt_len)
+        rs = sorted((r for r in results if r.backend == be and r.batch == smallest), key=lambda r: r.prompt_len)
         ax.plot([r.prompt_len for r in rs], [r.decode_ms_p50 for r in rs], marker="o", label=f"{be} decode p50")
         ax.plot([r.prompt_len for r in rs], [r.ttft_ms for r in rs], marker="s", ls="--", label=f"{be} TTFT")
     ax.set_xlabel("context (prompt tokens)")
-    ax.set_ylabel("ms")
-    ax.set_title("latency against context length")
-    ax.legend()
-    paths.append(out / "latency_vs_context.png")
-    fig.tight_layout()
-    fig.savefig(paths[-1], dpi=100)
-    plt.close(fig)
+    save(fig, ax, "latency_vs_context.png", "ms", f"latency against context length (batch {smallest})")
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    labels = [f"{r.backend}\np{r.prompt_len} b{r.batch}" for r in results]
     ax.bar(range(len(results)), [r.decode_tokens_per_s_total for r in results])
-    ax.set_xticks(range(len(results)), labels, fontsize=7)
-    ax.set_ylabel("decode tokens/s (all rows)")
-    ax.set_title("decode throughput per backend")
-    paths.append(out / "tokens_per_s.png")
-    fig.tight_layout()
-    fig.savefig(paths[-1], dpi=100)
-    plt.close(fig)
+    ax.set_xticks(range(len(results)), [f"{r.backend}\np{r.prompt_len} b{r.batch}" for r in results], fontsize=7)
+    save(fig, ax, "tokens_per_s.png", "decode tokens/s (all rows)", "decode throughput per backend", legend=False)
 
     fig, ax = plt.subplots(figsize=(6, 4))
     first = {r.backend: r for r in reversed(results)}
@@ -238,11 +237,5 @@ def plots(results: list[Result], out: Path) -> list[Path]:
     ax.bar(backends, w, label="weights")
     ax.bar(backends, kv, bottom=w, label="KV cache (allocated)")
     ax.bar(backends, other, bottom=[a + b for a, b in zip(w, kv)], label="rest of peak RSS")
-    ax.set_ylabel("MiB")
-    ax.set_title("memory breakdown")
-    ax.legend()
-    paths.append(out / "memory.png")
-    fig.tight_layout()
-    fig.savefig(paths[-1], dpi=100)
-    plt.close(fig)
+    save(fig, ax, "memory.png", "MiB", "memory breakdown")
     return paths

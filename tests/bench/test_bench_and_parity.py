@@ -12,17 +12,13 @@ from onnx import numpy_helper
 
 from kvedge.bench.parity import compare
 from kvedge.cli import main
-from kvedge.export import ExportOptions, export
-from kvedge.models.demo import write_demo_checkpoint
 from kvedge.runtime import load
 
 
-@pytest.fixture(scope="module")
-def demo(tmp_path_factory):
-    root = tmp_path_factory.mktemp("bench")
-    ckpt = write_demo_checkpoint(root / "ckpt")
-    export(ckpt, root / "onnx", ExportOptions(max_seq_len=96, max_batch=2))
-    return ckpt, root / "onnx"
+@pytest.fixture
+def demo(demo_export):
+    """The demo checkpoint and its default export (max_seq_len 96, max_batch 2)."""
+    return demo_export(96, 2)
 
 
 def test_bench_writes_every_report_with_consistent_figures(demo, tmp_path, capsys):

@@ -10,19 +10,14 @@ import torch
 
 from kvedge.cli import main
 from kvedge.errors import KvedgeError
-from kvedge.export import ExportOptions, export
-from kvedge.models.demo import write_demo_checkpoint
-from kvedge.runtime import SamplingParams, Session, load
+from kvedge.runtime import SamplingParams, load
 from kvedge.runtime.ort_backend import OrtBackend
 
 
-@pytest.fixture(scope="module")
-def demo(tmp_path_factory):
+@pytest.fixture
+def demo(demo_export):
     """The demo checkpoint and its default export (max_seq_len 256, max_batch 2)."""
-    root = tmp_path_factory.mktemp("demo")
-    ckpt = write_demo_checkpoint(root / "ckpt")
-    export(ckpt, root / "onnx", ExportOptions(max_seq_len=256, max_batch=2))
-    return ckpt, root / "onnx"
+    return demo_export(256, 2)
 
 
 def test_cache_buffers_stay_put_and_per_step_allocations_do_not_grow(demo):
