@@ -29,6 +29,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "generation_config.json", "chat_template.jinja", "chat_template.json")
 EXTERNAL_DATA_THRESHOLD = 2 * 1024**3  # protobuf's hard limit for one file
 DTYPES = ("fp32", "fp16", "bf16")
+QUANT_BITS = {"int8": 8, "int4": 4}
 
 
 @dataclass
@@ -42,6 +43,10 @@ class ExportOptions:
     verify_prompt_len: int = 16
     verify_steps: int = 16
     tolerance: tuple[float | None, float] | None = None  # (max abs, min cosine); None: the dtype's preset
+    quantize: str | None = None  # None | "int8" | "int4": weight-only, round-to-nearest, per group
+    group_size: int = 32
+    quantize_lm_head: bool = False
+    allow_degraded: bool = False  # a quantized export below its top-1 threshold is written anyway
 
 
 class _Progress:
@@ -66,6 +71,14 @@ def _check_options(model_dir: Path, out_dir: Path, o: ExportOptions, cfg) -> Non
     if cfg.positions == "learned" and o.max_seq_len > cfg.max_position_embeddings:
         raise KvedgeError(f"--max-seq-len {o.max_seq_len} exceeds this model's learned positions "
                           f"({cfg.max_position_embeddings})")
+    if o.quantize is not None:
+        if o.quantize not in QUANT_BITS:
+            raise KvedgeError(f"--quantize {o.quantize!r}: expected int8 or int4")
+        reasons = low.unsupported_quant(QUANT_BITS[o.quantize])
+        if reasons:
+            raise KvedgeError(f"the {low.NAME!r} lowering cannot export {o.quantize} weights: {'; '.join(reasons)}")
+        if o.group_size not in (16, 32, 64, 128, 256):
+            raise KvedgeError(f"--group-size {o.group_size}: expected 16, 32, 64, 128 or 256")
     if out_dir.exists() and any(out_dir.iterdir()) and not o.force:
         raise KvedgeError(f"{out_dir} exists and is not empty; pass --force to overwrite it")
     if out_dir.resolve() == model_dir.resolve():
@@ -99,10 +112,15 @@ def to_onnx(decoder: Decoder, lowering: str, max_seq_len: int):
     seq = torch.export.Dim("seq", max=max_seq_len)
     dynamic = {"input_ids": {0: batch, 1: seq}, "position_ids": {0: batch, 1: seq},
                "logits_index": {0: batch}, "past": tuple({0: batch} for _ in past)}
+    table = {torch.ops.kvedge.cached_attention.default: low.translate}
+    if getattr(low, "translate_qlinear", None) is not None:
+        import kvedge.models.quant  # noqa: F401  (registers torch.ops.kvedge.qlinear)
+
+        table[torch.ops.kvedge.qlinear.default] = low.translate_qlinear
     program = _quiet_export(lambda: torch.onnx.export(
         ExportGraph(decoder).eval(), args, dynamo=True, dynamic_shapes=dynamic,
         input_names=input_names(cfg.num_layers), output_names=output_names(cfg.num_layers),
-        custom_translation_table={torch.ops.kvedge.cached_attention.default: low.translate},
+        custom_translation_table=table,
         opset_version=max(low.OPSET, 18), optimize=True, verbose=False))
     proto = program.model_proto
     if low.OPSET < 18:
@@ -179,6 +197,14 @@ def export(model_dir: str | Path, out_dir: str | Path, options: ExportOptions | 
 
     say(f"loading {model_dir} ({cfg.arch}, {cfg.num_layers} layers, {cfg.num_heads}/{cfg.num_kv_heads} heads)")
     decoder = load_decoder(model_dir, dtype=torch_dtype(o.dtype))
+    quant = None
+    if o.quantize:
+        from kvedge.models.quant import quantize_decoder
+
+        n = quantize_decoder(decoder, QUANT_BITS[o.quantize], o.group_size, o.quantize_lm_head)
+        quant = {"scheme": o.quantize, "bits": QUANT_BITS[o.quantize], "group_size": o.group_size,
+                 "method": "rtn", "lm_head": o.quantize_lm_head, "linears": n}
+        say(f"quantized {n} linears to {o.quantize} (round-to-nearest, groups of {o.group_size})")
     say(f"tracing to ONNX: lowering {low.NAME!r}, opset {low.OPSET}, {o.dtype}, max_seq_len {o.max_seq_len}")
     proto = to_onnx(decoder, low.NAME, o.max_seq_len)
     onnx_path = out_dir / "model.onnx"
@@ -197,13 +223,15 @@ def export(model_dir: str | Path, out_dir: str | Path, options: ExportOptions | 
     inputs, outputs = io_spec(cfg, o.dtype, o.max_seq_len, logits_dtype)
     sidecar = Sidecar(model=cfg, lowering=low.NAME, dtype=o.dtype, opset=low.OPSET, max_seq_len=o.max_seq_len,
                       max_batch=o.max_batch, inputs=inputs, outputs=outputs, external_data=external,
-                      extra={"source_checkpoint": str(model_dir.resolve())})
+                      extra={"source_checkpoint": str(model_dir.resolve()), "quantization": quant})
     if o.verify:
         from kvedge.export.verify import verify
 
         say(f"verifying on ONNX Runtime CPU against PyTorch: {o.verify_prompt_len}-token prompt + "
             f"{o.verify_steps} decode steps")
-        report = verify(decoder, out_dir, sidecar, o.verify_prompt_len, o.verify_steps, tolerance=o.tolerance)
+        reference = load_decoder(model_dir, dtype=torch_dtype(o.dtype)) if quant else None
+        report = verify(decoder, out_dir, sidecar, o.verify_prompt_len, o.verify_steps, tolerance=o.tolerance,
+                        fp_reference=reference, allow_degraded=o.allow_degraded)
         sidecar.verification = report
         say(f"max abs {report['max_abs_error']:.2e}, cosine {report['min_cosine']:.6f}, "
             f"greedy agreement {report['greedy_agreement']:.0%}" + ("" if report["passed"] else "  FAILED"))

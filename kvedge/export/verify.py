@@ -25,9 +25,14 @@ def _cos(a: torch.Tensor, b: torch.Tensor) -> float:
     return torch.nn.functional.cosine_similarity(a.double().flatten(), b.double().flatten(), dim=0).item()
 
 
+# Quantized exports are also compared with the unquantized model: top-1 agreement per scheme.
+QUANT_TOP1 = {"int8": 0.95, "int4": 0.85}
+
+
 @torch.inference_mode()
 def verify(decoder: Decoder, out_dir: str | Path, sidecar: Sidecar, prompt_len: int = 16, steps: int = 16,
-           seed: int = 0, tolerance: tuple[float | None, float] | None = None) -> dict:
+           seed: int = 0, tolerance: tuple[float | None, float] | None = None,
+           fp_reference: Decoder | None = None, allow_degraded: bool = False) -> dict:
     from kvedge.runtime.ort_backend import OrtBackend
 
     if sidecar.dtype == "bf16":
@@ -43,6 +48,8 @@ def verify(decoder: Decoder, out_dir: str | Path, sidecar: Sidecar, prompt_len: 
     pos = torch.arange(prompt_len)[None]
     last = torch.tensor([prompt_len - 1])
     errs, coss, agree, scale = [], [], [], 1.0
+    fp_cache = KVCache.allocate(cfg, 1, sidecar.max_seq_len, dtype=backend.dtype) if fp_reference else None
+    fp_agree, fp_cos = [], []
     for step in range(steps + 1):
         ref = decoder(ids, pos, cache.for_batch(1), logit_index=last).float()
         got = backend.forward(ids, pos, last).float()
@@ -50,6 +57,10 @@ def verify(decoder: Decoder, out_dir: str | Path, sidecar: Sidecar, prompt_len: 
         scale = max(scale, ref.abs().max().item())
         coss.append(_cos(ref, got))
         agree.append(bool(ref[0, -1].argmax() == got[0, -1].argmax()))
+        if fp_reference is not None:  # the unquantized model, fed the same tokens
+            fp = fp_reference(ids, pos, fp_cache.for_batch(1), logit_index=last).float()
+            fp_agree.append(bool(fp[0, -1].argmax() == got[0, -1].argmax()))
+            fp_cos.append(_cos(fp, got))
         ids = ref[:, -1].argmax(-1, keepdim=True)  # teacher-forced on PyTorch's greedy choice
         pos = torch.tensor([[prompt_len + step]])
         last = torch.tensor([0])
@@ -60,6 +71,15 @@ def verify(decoder: Decoder, out_dir: str | Path, sidecar: Sidecar, prompt_len: 
         reasons.append(f"max abs logit error {max_abs:.3e} > {tol_abs:g} x {scale:.3g} (largest |logit|)")
     if not min_cos >= tol_cos:
         reasons.append(f"cosine {min_cos:.6f} < {tol_cos}")
-    return {"passed": not reasons, "reason": "; ".join(reasons), "prompt_len": prompt_len, "steps": steps,
+    quant = {}
+    if fp_reference is not None:
+        scheme = (sidecar.extra.get("quantization") or {}).get("scheme", "int8")
+        top1 = sum(fp_agree) / len(fp_agree)
+        quant = {"vs_unquantized": {"top1_agreement": top1, "min_cosine": min(fp_cos),
+                                    "threshold_top1": QUANT_TOP1[scheme]}}
+        if top1 < QUANT_TOP1[scheme] and not allow_degraded:
+            reasons.append(f"{scheme} top-1 agreement with the unquantized model {top1:.0%} < "
+                           f"{QUANT_TOP1[scheme]:.0%} (pass --allow-degraded to keep it)")
+    return {**quant, "passed": not reasons, "reason": "; ".join(reasons), "prompt_len": prompt_len, "steps": steps,
             "max_abs_error": max_abs, "max_abs_logit": scale, "min_cosine": min_cos, "greedy_agreement": sum(agree) / len(agree),
             "tolerance": {"max_abs": tol_abs, "min_cosine": tol_cos}, "provider": "CPUExecutionProvider"}

@@ -120,9 +120,6 @@ class Decoder(nn.Module):
                              persistent=False)
         self.attention_op: Callable[..., torch.Tensor] = attention
 
-    def head_weight(self) -> torch.Tensor:
-        return self.embed.weight if self.cfg.tie_embeddings else self.lm_head.weight
-
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -143,7 +140,8 @@ class Decoder(nn.Module):
             x = layer(x, positions, cs, k_cache, v_cache, self.attention_op)
         if logit_index is not None:
             x = x[torch.arange(x.shape[0], device=x.device), logit_index][:, None]
-        logits = F.linear(self.norm(x), self.head_weight())
+        h = self.norm(x)
+        logits = F.linear(h, self.embed.weight) if cfg.tie_embeddings else self.lm_head(h)
         if cfg.final_softcap is not None:
             logits = torch.tanh(logits / cfg.final_softcap) * cfg.final_softcap
         return logits

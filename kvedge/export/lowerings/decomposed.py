@@ -21,6 +21,13 @@ def unsupported(cfg: ModelConfig) -> list[str]:
     return []  # expresses every feature of the Decoder
 
 
+def unsupported_quant(bits: int) -> list[str]:
+    return ["quantized weights need DequantizeLinear with block_size (opset 21) or MatMulNBits; opset 17 has "
+            "neither: use --attention onnx (INT8) or ort"]
+
+
+translate_qlinear = None
+
 def translate(q, k, v, k_cache, v_cache, positions, scale: float, window: int, softcap: float):
     hq, d = q.shape[1], q.shape[3]
     hkv = k_cache.shape[1]

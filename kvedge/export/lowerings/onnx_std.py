@@ -28,6 +28,21 @@ def unsupported(cfg: ModelConfig) -> list[str]:
     return reasons
 
 
+def translate_qlinear(x, qweight, scales, zeros, bits: int, k: int):
+    """kvedge::qlinear -> blocked DequantizeLinear (opset 21+) then MatMul: the form TensorRT's
+    weight-only path parses. INT8 only here (INT4 needs UINT4 initializers; see unsupported_quant)."""
+    n, nb = qweight.shape[0], qweight.shape[1]
+    w_q = op.Reshape(qweight, const([n, k]))
+    w = op24.DequantizeLinear(w_q, op.Reshape(scales, const([n, nb])), op.Reshape(zeros, const([n, nb])),
+                              axis=1, block_size=k // nb)
+    return op.MatMul(x, op.Transpose(w, perm=[1, 0]))
+
+
+def unsupported_quant(bits: int) -> list[str]:
+    return [] if bits == 8 else ["INT4 in the standard-ONNX (DequantizeLinear) form is not written yet; "
+                                 "use --attention ort (MatMulNBits) for INT4"]
+
+
 def translate(q, k, v, k_cache, v_cache, positions, scale: float, window: int, softcap: float):
     start = op.Gather(positions, const(0), axis=1)  # [B]: each row's first position
     present_k = op24.TensorScatter(k_cache, k, start, axis=2)

@@ -48,11 +48,45 @@ def _register_schema() -> None:
                           ("M", ["tensor(int32)"], "")]))
 
 
+def _register_matmulnbits() -> None:
+    """com.microsoft.MatMulNBits as ONNX Runtime's contrib operator spec documents it."""
+    from onnx import defs
+
+    if defs.has("MatMulNBits", DOMAIN):
+        return
+    P, A = defs.OpSchema.FormalParameter, defs.OpSchema.Attribute
+    opt = defs.OpSchema.FormalParameterOption.Optional
+    ints = defs.OpSchema.AttrType.INT
+    defs.register_schema(defs.OpSchema(
+        "MatMulNBits", DOMAIN, 1,
+        inputs=[P("A", "T1"), P("B", "T2"), P("scales", "T1"), P("zero_points", "T3", param_option=opt),
+                P("g_idx", "T4", param_option=opt), P("bias", "T1", param_option=opt)],
+        outputs=[P("Y", "T1")],
+        attributes=[A("K", ints, "", required=True), A("N", ints, "", required=True),
+                    A("bits", ints, "", required=True), A("block_size", ints, "", required=True),
+                    A("accuracy_level", ints, "", required=False)],
+        type_constraints=[("T1", ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"], ""),
+                          ("T2", ["tensor(uint8)", "tensor(int32)"], ""),
+                          ("T3", ["tensor(uint8)", "tensor(int32)", "tensor(float16)", "tensor(float)"], ""),
+                          ("T4", ["tensor(int32)"], "")]))
+
+
 _register_schema()
+_register_matmulnbits()
 msft = Opset(DOMAIN, 1)
 
 
+def translate_qlinear(x, qweight, scales, zeros, bits: int, k: int):
+    """kvedge::qlinear -> MatMulNBits: the weights are already in its layout."""
+    n, nb = qweight.shape[0], qweight.shape[1]
+    return msft.MatMulNBits(x, qweight, scales, zeros, K=k, N=n, bits=bits, block_size=k // nb)
+
+
 def unsupported(cfg: ModelConfig) -> list[str]:
+    return []
+
+
+def unsupported_quant(bits: int) -> list[str]:
     return []
 
 

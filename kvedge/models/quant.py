@@ -1,0 +1,107 @@
+"""Weight-only block quantization (INT8 / INT4): the one quantized linear of kvedge.
+
+Round-to-nearest, asymmetric, per group of `group` input channels: for each output row and group,
+scale = (max - min) / (2^bits - 1), zero = round(-min / scale), q = clamp(round(w / scale) + zero).
+Dequantized: w' = (q - zero) * scale; |w - w'| <= scale / 2 per element.
+
+Storage follows ONNX Runtime's MatMulNBits layout, so the `ort` lowering exports it as is:
+  qweight uint8 [N, K / group, group * bits / 8]   (4 bits: two values a byte, the even index in the low nibble)
+  scales  float [N * K / group]
+  zeros   uint8 [N * ceil((K / group) * bits / 8)] (4 bits: packed like the weights)
+The model calls `torch.ops.kvedge.qlinear`; export translates it per target (MatMulNBits, or
+blocked DequantizeLinear + MatMul), as it does the attention op.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kvedge.errors import KvedgeError
+
+
+def _pack4(q: torch.Tensor) -> torch.Tensor:
+    """[..., 2n] values in 0..15 -> [..., n] bytes, even index in the low nibble."""
+    if q.shape[-1] % 2:
+        q = torch.nn.functional.pad(q, (0, 1))
+    return (q[..., 0::2] | (q[..., 1::2] << 4)).to(torch.uint8)
+
+
+def _unpack4(b: torch.Tensor, n: int) -> torch.Tensor:
+    out = torch.stack((b & 0x0F, b >> 4), dim=-1).flatten(-2)
+    return out[..., :n]
+
+
+def quantize(w: torch.Tensor, bits: int, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """w [N, K] float -> (qweight, scales, zeros) in the MatMulNBits layout (see module doc)."""
+    if bits not in (4, 8):
+        raise KvedgeError(f"bits must be 4 or 8, got {bits}")
+    n, k = w.shape
+    if k % group:
+        raise KvedgeError(f"input size {k} is not a multiple of the group size {group}")
+    nb = k // group
+    wg = w.float().reshape(n, nb, group)
+    lo = wg.amin(-1).clamp(max=0.0)
+    hi = wg.amax(-1).clamp(min=0.0)
+    qmax = 2**bits - 1
+    scale = ((hi - lo) / qmax).clamp(min=1e-12)
+    zero = torch.round(-lo / scale).clamp(0, qmax)
+    q = torch.clamp(torch.round(wg / scale[..., None]) + zero[..., None], 0, qmax).to(torch.uint8)
+    if bits == 4:
+        return _pack4(q), scale.reshape(-1), _pack4(zero.to(torch.uint8)).reshape(-1)
+    return q, scale.reshape(-1), zero.to(torch.uint8).reshape(-1)
+
+
+def dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int, k: int) -> torch.Tensor:
+    n, nb = qweight.shape[0], qweight.shape[1]
+    group = k // nb
+    q = _unpack4(qweight, group) if bits == 4 else qweight
+    z = _unpack4(zeros.reshape(n, -1), nb) if bits == 4 else zeros.reshape(n, nb)
+    w = (q.float() - z.float()[..., None]) * scales.reshape(n, nb)[..., None]
+    return w.reshape(n, k)
+
+
+@torch.library.custom_op("kvedge::qlinear", mutates_args=())
+def qlinear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int,
+            k: int) -> torch.Tensor:
+    """x [..., K] @ dequantize(W).T -> [..., N] (the reference: dequantize, then matmul)."""
+    return torch.nn.functional.linear(x, dequantize(qweight, scales, zeros, bits, k).to(x.dtype))
+
+
+@qlinear.register_fake
+def _(x, qweight, scales, zeros, bits, k):
+    return x.new_empty((*x.shape[:-1], qweight.shape[0]))
+
+
+class QuantLinear(nn.Module):
+    def __init__(self, linear: nn.Linear, bits: int, group: int):
+        super().__init__()
+        self.bits, self.group = bits, group
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        q, s, z = quantize(linear.weight.detach(), bits, group)
+        self.register_buffer("qweight", q)
+        self.register_buffer("scales", s.to(linear.weight.dtype))
+        self.register_buffer("zeros", z)
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.ops.kvedge.qlinear(x, self.qweight, self.scales.to(x.dtype), self.zeros, self.bits,
+                                     self.in_features)
+        return y if self.bias is None else y + self.bias
+
+
+def quantize_decoder(model: nn.Module, bits: int, group: int = 32, lm_head: bool = False) -> int:
+    """Replace every projection of every block (and the lm_head if asked) by a QuantLinear, in place.
+    Embeddings stay in floating point. Returns the number of linears quantized."""
+    count = 0
+    for layer in model.layers:
+        for name in ("qkv", "o", "up", "down"):
+            setattr(layer, name, QuantLinear(getattr(layer, name), bits, group))
+            count += 1
+    if lm_head:
+        if model.cfg.tie_embeddings:
+            raise KvedgeError("--quantize-lm-head with tied embeddings would quantize the embedding too; "
+                              "kvedge keeps tied embeddings in floating point")
+        model.lm_head = QuantLinear(model.lm_head, bits, group)
+        count += 1
+    return count

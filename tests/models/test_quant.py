@@ -1,0 +1,88 @@
+"""Weight-only quantization: round-trip bounds, and the MatMulNBits / DequantizeLinear layouts checked
+against ONNX Runtime's kernel and onnx.reference (independent of kvedge's own dequantizer)."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+from onnx import TensorProto, helper, numpy_helper
+
+from kvedge.errors import KvedgeError
+from kvedge.export import ExportOptions, export
+from kvedge.models.quant import dequantize, quantize
+
+W = torch.randn(48, 128, generator=torch.Generator().manual_seed(0))
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("group", [32, 64])
+def test_round_trip_error_is_at_most_half_a_step(bits, group):
+    q, s, z = quantize(W, bits, group)
+    back = dequantize(q, s, z, bits, W.shape[1])
+    step = s.reshape(48, -1).repeat_interleave(group, dim=1)
+    assert torch.all((back - W).abs() <= step / 2 + 1e-6)
+    assert q.shape == (48, 128 // group, group * bits // 8) and q.dtype == torch.uint8
+
+
+def test_bad_group():
+    with pytest.raises(KvedgeError, match="not a multiple of the group size 48"):
+        quantize(W, 4, 48)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_layout_matches_onnxruntime_matmulnbits(bits):
+    import kvedge.export.lowerings.ort_gqa  # noqa: F401  (registers the schema for the checker)
+
+    group = 32
+    q, s, z = quantize(W, bits, group)
+    x = np.random.default_rng(1).standard_normal((3, 128)).astype(np.float32)
+    node = helper.make_node("MatMulNBits", ["x", "B", "scales", "zp"], ["y"], domain="com.microsoft",
+                            K=128, N=48, bits=bits, block_size=group)
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, 128])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [3, 48])],
+                              initializer=[numpy_helper.from_array(q.numpy(), "B"),
+                                           numpy_helper.from_array(s.numpy(), "scales"),
+                                           numpy_helper.from_array(z.numpy(), "zp")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)])
+    y = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    ref = x @ dequantize(q, s, z, bits, 128).numpy().T
+    np.testing.assert_allclose(y, ref, atol=1e-4)
+
+
+def test_int8_layout_matches_blocked_dequantizelinear_reference():
+    from onnx.reference import ReferenceEvaluator
+
+    q, s, z = quantize(W, 8, 32)
+    node = helper.make_node("DequantizeLinear", ["q", "s", "z"], ["w"], axis=1, block_size=32)
+    graph = helper.make_graph([node], "g", [], [helper.make_tensor_value_info("w", TensorProto.FLOAT, [48, 128])],
+                              initializer=[numpy_helper.from_array(q.reshape(48, 128).numpy(), "q"),
+                                           numpy_helper.from_array(s.reshape(48, 4).numpy(), "s"),
+                                           numpy_helper.from_array(z.reshape(48, 4).numpy(), "z")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+    w = ReferenceEvaluator(model).run(None, {})[0]
+    np.testing.assert_allclose(w, dequantize(q, s, z, 8, 128).numpy(), atol=1e-6)
+
+
+@pytest.mark.parametrize("lowering,scheme,op", [("ort", "int4", "MatMulNBits"), ("ort", "int8", "MatMulNBits"),
+                                                ("onnx", "int8", "DequantizeLinear")])
+def test_quantized_export_agrees_with_the_quantized_reference(lowering, scheme, op, hf_checkpoint, tmp_path):
+    path, _ = hf_checkpoint("llama-gqa4-llama3rope")
+    sc = export(path, tmp_path / "q", ExportOptions(attention=lowering, quantize=scheme, max_seq_len=96,
+                                                    verify_steps=64, allow_degraded=True))
+    v = sc.verification
+    assert v["passed"] and v["max_abs_error"] < 1e-4  # the ONNX graph vs kvedge's quantized PyTorch model
+    assert 0 <= v["vs_unquantized"]["top1_agreement"] <= 1
+    graph = onnx.load(str(tmp_path / "q" / "model.onnx"))
+    assert sum(n.op_type == op for n in graph.graph.node) == 4 * sc.model.num_layers
+    assert sc.extra["quantization"]["bits"] == (4 if scheme == "int4" else 8)
+
+
+def test_quantization_refusals(hf_checkpoint, tmp_path):
+    path, _ = hf_checkpoint("llama-mha")
+    with pytest.raises(KvedgeError, match="'decomposed' lowering cannot export int8 weights"):
+        export(path, tmp_path / "a", ExportOptions(attention="decomposed", quantize="int8"))
+    with pytest.raises(KvedgeError, match="INT4 in the standard-ONNX"):
+        export(path, tmp_path / "b", ExportOptions(attention="onnx", quantize="int4"))
