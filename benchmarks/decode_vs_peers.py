@@ -81,11 +81,12 @@ def bench_transformers(ckpt: Path, prompt: list[int], gen: int, repeat: int):
     return prefill, decode, full[0][1]
 
 
-def bench_genai(python: str, ckpt: Path, work: Path, prompt_len: int, gen: int, repeat: int, threads: int):
-    out = work / "genai"
+def bench_genai(python: str, ckpt: Path, work: Path, prompt_len: int, gen: int, repeat: int, threads: int,
+                precision: str = "fp32"):
+    out = work / f"genai-{precision}"
     if not (out / "genai_config.json").is_file():
         subprocess.run([python, "-m", "onnxruntime_genai.models.builder", "-i", str(ckpt), "-o", str(out),
-                        "-p", "fp32", "-e", "cpu", "-c", str(work / "genai-cache")],
+                        "-p", precision, "-e", "cpu", "-c", str(work / "genai-cache")],
                        check=True, capture_output=True)
     cfg = json.loads((out / "genai_config.json").read_text())
     cfg["model"]["decoder"].setdefault("session_options", {})["intra_op_num_threads"] = threads
@@ -105,6 +106,11 @@ def main() -> None:
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--work", default=None, help="folder for the checkpoint and exports (default: a temp dir)")
+    p.add_argument("--quantize", choices=("int4", "int8"), help="compare weight-only quantized exports "
+                   "(kvedge --quantize --quantize-lm-head with the ort lowering; GenAI's builder at the same "
+                   "precision, which quantizes its lm_head too)")
+    p.add_argument("--accuracy-level", type=int, default=4, help="kvedge's MatMulNBits accuracy_level "
+                   "(GenAI's builder uses 4: int8 activations)")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
 
@@ -117,17 +123,27 @@ def main() -> None:
     rows = []
     genai = None
     if a.genai_python:
-        genai = bench_genai(a.genai_python, ckpt, work, a.prompt, a.gen, a.repeat, a.threads)
-        rows.append(("onnxruntime-genai 0.18", *genai))
+        genai = bench_genai(a.genai_python, ckpt, work, a.prompt, a.gen, a.repeat, a.threads, a.quantize or "fp32")
+        rows.append((f"onnxruntime-genai 0.18 {a.quantize or 'fp32'}", *genai))
     hf = bench_transformers(ckpt, prompt, a.gen, a.repeat)
-    rows.append(("transformers generate", hf[0], hf[1]))
-    for low in a.lowerings.split(","):
-        out = work / f"kvedge-{low}"
+    rows.append(("transformers generate fp32", hf[0], hf[1]))
+    for low in (["ort"] if a.quantize else a.lowerings.split(",")):
+        out = work / f"kvedge-{low}-{a.quantize or 'fp32'}-acc{a.accuracy_level}"
         if not (out / "kvedge.json").is_file():
-            export(ckpt, out, ExportOptions(attention=low, max_seq_len=a.prompt + a.gen, max_batch=1, force=True))
+            export(ckpt, out, ExportOptions(attention=low, max_seq_len=a.prompt + a.gen, max_batch=1, force=True,
+                                            quantize=a.quantize, quantize_lm_head=bool(a.quantize),
+                                            accuracy_level=a.accuracy_level,
+                                            tolerance=(None, -1.0) if a.quantize else None,  # figures printed below
+                                            allow_degraded=True))
         pre, dec, toks = bench_kvedge(out, prompt, a.gen, a.repeat, a.threads)
-        rows.append((f"kvedge onnxruntime ({low})", pre, dec))
-        same = "same" if toks == hf[2] else "DIFFERENT"
+        if a.quantize:
+            from kvedge.export import Sidecar
+
+            v = Sidecar.read(out).verification
+            print(f"kvedge {low} {a.quantize}: cosine vs quantized PyTorch {v['min_cosine']:.4f}, top-1 vs fp32 "
+                  f"{v['vs_unquantized']['top1_agreement']:.0%}", file=sys.stderr)
+        rows.append((f"kvedge onnxruntime ({low}) {a.quantize or 'fp32'}", pre, dec))
+        same = "same" if toks == hf[2] else "DIFFERENT (expected when quantized)"
         print(f"kvedge {low}: greedy tokens {same} as transformers", file=sys.stderr)
 
     print(f"SmolLM2-135M shape (random weights), fp32, batch 1, prompt {a.prompt}, gen {a.gen}, "

@@ -107,7 +107,8 @@ def cmd_export(args) -> int:
     opts = ExportOptions(dtype=args.dtype, attention=args.attention, max_seq_len=args.max_seq_len,
                          max_batch=args.max_batch, force=args.force, verify=not args.no_verify,
                          verify_steps=args.verify_steps, quantize=args.quantize, group_size=args.group_size,
-                         quantize_lm_head=args.quantize_lm_head, allow_degraded=args.allow_degraded)
+                         quantize_lm_head=args.quantize_lm_head, allow_degraded=args.allow_degraded,
+                         accuracy_level=args.accuracy_level)
     sidecar = export(args.model, args.out, opts, progress=None if args.quiet else
                      (lambda m: print(m, file=sys.stderr, flush=True)))
     if args.json:
@@ -386,7 +387,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--verify-steps", type=int, default=16, help="decode steps to verify (default 16)")
     s.add_argument("--quantize", choices=("int8", "int4"), help="weight-only quantization (round-to-nearest)")
     s.add_argument("--group-size", type=int, default=32, help="quantization group size (default 32)")
-    s.add_argument("--quantize-lm-head", action="store_true", help="quantize the lm_head too")
+    s.add_argument("--quantize-lm-head", action="store_true",
+                   help="quantize the lm_head too (tied embeddings: a quantized copy; the embedding stays fp)")
+    s.add_argument("--accuracy-level", type=int, choices=(0, 1, 2, 3, 4), default=0,
+                   help="MatMulNBits compute precision (ort): 0 exact (default), 4 int8 activations, faster")
     s.add_argument("--allow-degraded", action="store_true",
                    help="keep a quantized export below its top-1 threshold (int8 95%%, int4 85%%)")
     s.add_argument("--json", action="store_true", help="print the sidecar as JSON")

@@ -141,7 +141,8 @@ class Decoder(nn.Module):
         if logit_index is not None:
             x = x[torch.arange(x.shape[0], device=x.device), logit_index][:, None]
         h = self.norm(x)
-        logits = F.linear(h, self.embed.weight) if cfg.tie_embeddings else self.lm_head(h)
+        # tied embeddings share the embedding matrix, unless a separate (e.g. quantized) lm_head was set
+        logits = self.lm_head(h) if hasattr(self, "lm_head") else F.linear(h, self.embed.weight)
         if cfg.final_softcap is not None:
             logits = torch.tanh(logits / cfg.final_softcap) * cfg.final_softcap
         return logits

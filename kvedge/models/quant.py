@@ -63,20 +63,22 @@ def dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
 
 @torch.library.custom_op("kvedge::qlinear", mutates_args=())
 def qlinear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int,
-            k: int) -> torch.Tensor:
-    """x [..., K] @ dequantize(W).T -> [..., N] (the reference: dequantize, then matmul)."""
+            k: int, accuracy_level: int) -> torch.Tensor:
+    """x [..., K] @ dequantize(W).T -> [..., N] (the reference: dequantize, then matmul in x's dtype).
+    accuracy_level is a lowering hint (MatMulNBits: 4 computes with int8 activations); the reference
+    ignores it."""
     return torch.nn.functional.linear(x, dequantize(qweight, scales, zeros, bits, k).to(x.dtype))
 
 
 @qlinear.register_fake
-def _(x, qweight, scales, zeros, bits, k):
+def _(x, qweight, scales, zeros, bits, k, accuracy_level):
     return x.new_empty((*x.shape[:-1], qweight.shape[0]))
 
 
 class QuantLinear(nn.Module):
-    def __init__(self, linear: nn.Linear, bits: int, group: int):
+    def __init__(self, linear: nn.Linear, bits: int, group: int, accuracy_level: int = 0):
         super().__init__()
-        self.bits, self.group = bits, group
+        self.bits, self.group, self.accuracy_level = bits, group, accuracy_level
         self.in_features, self.out_features = linear.in_features, linear.out_features
         q, s, z = quantize(linear.weight.detach(), bits, group)
         self.register_buffer("qweight", q)
@@ -86,22 +88,24 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = torch.ops.kvedge.qlinear(x, self.qweight, self.scales.to(x.dtype), self.zeros, self.bits,
-                                     self.in_features)
+                                     self.in_features, self.accuracy_level)
         return y if self.bias is None else y + self.bias
 
 
-def quantize_decoder(model: nn.Module, bits: int, group: int = 32, lm_head: bool = False) -> int:
+def quantize_decoder(model: nn.Module, bits: int, group: int = 32, lm_head: bool = False,
+                     accuracy_level: int = 0) -> int:
     """Replace every projection of every block (and the lm_head if asked) by a QuantLinear, in place.
     Embeddings stay in floating point. Returns the number of linears quantized."""
     count = 0
     for layer in model.layers:
         for name in ("qkv", "o", "up", "down"):
-            setattr(layer, name, QuantLinear(getattr(layer, name), bits, group))
+            setattr(layer, name, QuantLinear(getattr(layer, name), bits, group, accuracy_level))
             count += 1
     if lm_head:
-        if model.cfg.tie_embeddings:
-            raise KvedgeError("--quantize-lm-head with tied embeddings would quantize the embedding too; "
-                              "kvedge keeps tied embeddings in floating point")
-        model.lm_head = QuantLinear(model.lm_head, bits, group)
+        head = getattr(model, "lm_head", None)
+        if head is None:  # tied: the embedding stays in floating point, the head gets a quantized copy
+            head = nn.Linear(model.cfg.hidden_size, model.cfg.vocab_size, bias=False)
+            head.weight = nn.Parameter(model.embed.weight.detach(), requires_grad=False)
+        model.lm_head = QuantLinear(head, bits, group, accuracy_level)
         count += 1
     return count

@@ -86,3 +86,18 @@ def test_quantization_refusals(hf_checkpoint, tmp_path):
         export(path, tmp_path / "a", ExportOptions(attention="decomposed", quantize="int8"))
     with pytest.raises(KvedgeError, match="INT4 in the standard-ONNX"):
         export(path, tmp_path / "b", ExportOptions(attention="onnx", quantize="int4"))
+
+
+def test_tied_lm_head_gets_a_quantized_copy_and_the_embedding_stays_fp(hf_checkpoint):
+    from kvedge.models import KVCache, load_decoder
+    from kvedge.models.quant import QuantLinear, quantize_decoder
+
+    path, _ = hf_checkpoint("gemma")  # tied embeddings
+    model = load_decoder(path)
+    ids = torch.arange(3, 13)[None]
+    ref = model(ids, torch.arange(10)[None], KVCache.allocate(model.cfg, 1, 16).for_batch(1))
+    embed = model.embed.weight.clone()
+    assert quantize_decoder(model, 8, 32, lm_head=True) == 4 * model.cfg.num_layers + 1
+    assert isinstance(model.lm_head, QuantLinear) and torch.equal(model.embed.weight, embed)
+    got = model(ids, torch.arange(10)[None], KVCache.allocate(model.cfg, 1, 16).for_batch(1))
+    assert torch.nn.functional.cosine_similarity(got.flatten(), ref.flatten(), dim=0) > 0.99

@@ -28,7 +28,7 @@ def unsupported(cfg: ModelConfig) -> list[str]:
     return reasons
 
 
-def translate_qlinear(x, qweight, scales, zeros, bits: int, k: int):
+def translate_qlinear(x, qweight, scales, zeros, bits: int, k: int, accuracy_level: int):
     """kvedge::qlinear -> blocked DequantizeLinear (opset 21+) then MatMul: the form TensorRT's
     weight-only path parses. INT8 only here (INT4 needs UINT4 initializers; see unsupported_quant)."""
     n, nb = qweight.shape[0], qweight.shape[1]

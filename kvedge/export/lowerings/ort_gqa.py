@@ -76,10 +76,11 @@ _register_matmulnbits()
 msft = Opset(DOMAIN, 1)
 
 
-def translate_qlinear(x, qweight, scales, zeros, bits: int, k: int):
+def translate_qlinear(x, qweight, scales, zeros, bits: int, k: int, accuracy_level: int):
     """kvedge::qlinear -> MatMulNBits: the weights are already in its layout."""
     n, nb = qweight.shape[0], qweight.shape[1]
-    return msft.MatMulNBits(x, qweight, scales, zeros, K=k, N=n, bits=bits, block_size=k // nb)
+    return msft.MatMulNBits(x, qweight, scales, zeros, K=k, N=n, bits=bits, block_size=k // nb,
+                            accuracy_level=accuracy_level)
 
 
 def unsupported(cfg: ModelConfig) -> list[str]:
