@@ -379,7 +379,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--attention", choices=list(LOWERINGS), default="ort",
                    help="attention lowering: ort (default, the fastest on ONNX Runtime CPU: "
                         "com.microsoft.GroupQueryAttention), onnx (opset 24, ORT and TensorRT >= 10.15), "
-                        "decomposed (opset 17, TensorRT 8.6-10.14, any runtime)")
+                        "decomposed (opset 17, TensorRT 8.6-10.14, any runtime), trt (kvedge's fused-attention "
+                        "TensorRT plugin; TensorRT >= 10.7 only)")
     s.add_argument("--max-seq-len", type=int, default=2048, help="cache length (default 2048)")
     s.add_argument("--max-batch", type=int, default=4, help="largest batch the runtime will bind (default 4)")
     s.add_argument("--force", action="store_true", help="overwrite a non-empty output folder")

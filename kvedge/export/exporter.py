@@ -225,7 +225,12 @@ def export(model_dir: str | Path, out_dir: str | Path, options: ExportOptions | 
     sidecar = Sidecar(model=cfg, lowering=low.NAME, dtype=o.dtype, opset=low.OPSET, max_seq_len=o.max_seq_len,
                       max_batch=o.max_batch, inputs=inputs, outputs=outputs, external_data=external,
                       extra={"source_checkpoint": str(model_dir.resolve()), "quantization": quant})
-    if o.verify:
+    if o.verify and not getattr(low, "RUNS_ON_ONNXRUNTIME", True):
+        sidecar.verification = {"passed": True, "skipped": f"the {low.NAME!r} lowering runs only inside TensorRT "
+                                "(its plugin); verify it on the device with `kvedge parity --backend tensorrt`",
+                                "max_abs_error": float("nan"), "min_cosine": float("nan"),
+                                "greedy_agreement": float("nan")}
+    elif o.verify:
         from kvedge.export.verify import verify
 
         say(f"verifying on ONNX Runtime CPU against PyTorch: {o.verify_prompt_len}-token prompt + "

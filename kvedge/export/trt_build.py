@@ -50,7 +50,7 @@ def build(export_dir: str | Path, precision: str = "fp16", max_batch: int | None
     export_dir = Path(export_dir)
     sc = Sidecar.read(export_dir)
     path: TrtPath = select_path(trt.__version__)
-    if sc.lowering != path.lowering:
+    if sc.lowering not in (path.lowering, "trt"):
         raise KvedgeError(f"TensorRT {trt.__version__} wants the {path.lowering!r} lowering; this export is "
                           f"{sc.lowering!r}: re-export with --attention {path.lowering}")
     pre = check(export_dir / sc.onnx_file, ".".join(map(str, path.version)))
@@ -60,6 +60,10 @@ def build(export_dir: str | Path, precision: str = "fp16", max_batch: int | None
         raise KvedgeError(f"TensorRT {trt.__version__} builds strongly typed networks: precision comes from the "
                           f"graph ({sc.dtype}); re-export with --dtype {precision}")
 
+    if sc.lowering == "trt":
+        from kvedge.export.trt_plugin import register
+
+        register()  # the kvedge::gqa_attention plugin must be in the registry before parsing
     logger = trt.Logger(trt.Logger.WARNING)
     builder = trt.Builder(logger)
     flags = 0

@@ -51,6 +51,9 @@ PLUGINS = {  # custom-domain op -> what provides it
 }
 
 
+KVEDGE_PLUGIN = ("kvedge", "gqa_attention", (10, 7))  # domain, op, first TensorRT with tensorrt.plugin QDPs
+
+
 @dataclass
 class Finding:
     kind: str  # "opset" | "op" | "attribute" | "dtype" | "plugin" | "shape"
@@ -92,7 +95,15 @@ def check(model_path: str | Path, trt_version: str, dynamic_axes: tuple[str, ...
     seen: set[tuple[str, str]] = set()
     for node in model.graph.node:
         key = (node.domain or "", node.op_type)
-        if key[0] not in ("", "ai.onnx"):
+        if key == (KVEDGE_PLUGIN[0], KVEDGE_PLUGIN[1]):
+            if key not in seen:
+                ok = v >= KVEDGE_PLUGIN[2]
+                rep.findings.append(Finding("plugin", f"{key[0]}::{key[1]} is kvedge's fused-attention plugin: "
+                                            + ("registered by `kvedge build` (kvedge.export.trt_plugin.register())"
+                                               if ok else f"needs TensorRT >= {KVEDGE_PLUGIN[2][0]}."
+                                                          f"{KVEDGE_PLUGIN[2][1]} (tensorrt.plugin)"),
+                                            blocking=not ok))
+        elif key[0] not in ("", "ai.onnx"):
             if key not in seen:
                 why = PLUGINS.get(key, "a custom op: needs its TensorRT plugin library loaded at build time")
                 rep.findings.append(Finding("plugin", f"{key[0]}::{key[1]} is a plugin node: {why}"))

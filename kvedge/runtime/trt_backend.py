@@ -91,6 +91,10 @@ class TrtBackend:
         self.max_batch = build.get("max_batch", sc.max_batch)
         self.max_seq_len = sc.max_seq_len
         self.alloc = allocator or default_allocator()
+        if sc.lowering == "trt":
+            from kvedge.export.trt_plugin import register
+
+            register()
         self._logger = trt.Logger(trt.Logger.WARNING)
         self.engine = trt.Runtime(self._logger).deserialize_cuda_engine(engine_path.read_bytes())
         if self.engine is None:
@@ -105,7 +109,7 @@ class TrtBackend:
                 self._buffers[buf.name] = self.alloc.empty(shape, dtype)
         self._pairs = []  # (past name, present name, [addresses]) ; swapped when double-buffered
         for past, present in zip([i["name"] for i in sc.inputs[3:]], [o["name"] for o in sc.outputs[1:]]):
-            if self.path.in_place_cache:
+            if self.path.in_place_cache or sc.lowering == "trt":  # the plugin's cache outputs alias
                 a = self._buffers[past][1]
                 self._pairs.append([past, present, a, a])
             else:

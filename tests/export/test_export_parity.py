@@ -10,6 +10,7 @@ import torch
 
 from kvedge.errors import KvedgeError
 from kvedge.export import LOWERINGS, ExportOptions, export
+from kvedge.export.lowerings import ORT_LOWERINGS
 from kvedge.models import KVCache, load_decoder
 from kvedge.runtime.ort_backend import OrtBackend
 from tests.conftest import ARCH_CASES
@@ -29,7 +30,7 @@ def supported(case: str, lowering: str) -> bool:
     return not LOWERINGS[lowering].unsupported(cfg)
 
 
-PAIRS = [pytest.param(c, low, id=f"{c}-{low}") for c in ARCH_CASES for low in LOWERINGS]
+PAIRS = [pytest.param(c, low, id=f"{c}-{low}") for c in ARCH_CASES for low in ORT_LOWERINGS]
 
 
 def run_both(model, backend, prompts: list[torch.Tensor], steps: int):

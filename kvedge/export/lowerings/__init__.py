@@ -10,9 +10,11 @@ from __future__ import annotations
 from types import ModuleType
 
 from kvedge.errors import KvedgeError
-from kvedge.export.lowerings import decomposed, onnx_std, ort_gqa
+from kvedge.export.lowerings import decomposed, onnx_std, ort_gqa, trt_plugin
 
-LOWERINGS: dict[str, ModuleType] = {m.NAME: m for m in (onnx_std, ort_gqa, decomposed)}
+LOWERINGS: dict[str, ModuleType] = {m.NAME: m for m in (onnx_std, ort_gqa, decomposed, trt_plugin)}
+# the lowerings ONNX Runtime can run (and so verify after export)
+ORT_LOWERINGS = [n for n, m in LOWERINGS.items() if getattr(m, "RUNS_ON_ONNXRUNTIME", True)]
 
 
 def get(name: str) -> ModuleType:

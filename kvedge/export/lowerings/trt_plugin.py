@@ -1,0 +1,57 @@
+"""`trt`: one kvedge::gqa_attention plugin node per layer (kvedge.export.trt_plugin), for TensorRT.
+
+TensorRT's ONNX parser builds an unknown op from the plugin registry by its op type, with the
+`plugin_namespace` and `plugin_version` attributes. The graph runs only inside TensorRT with the
+plugin registered: ONNX Runtime cannot run it, so export skips the ORT verification.
+"""
+
+from __future__ import annotations
+
+from onnxscript.values import Opset
+
+from kvedge.export import trt_plugin
+from kvedge.models.config import ModelConfig
+
+NAME = "trt"
+OPSET = 17
+RUNS_ON_ONNXRUNTIME = False
+
+
+def _register_schema() -> None:
+    from onnx import defs
+
+    if defs.has(trt_plugin.NAME, trt_plugin.NAMESPACE):
+        return
+    P, A = defs.OpSchema.FormalParameter, defs.OpSchema.Attribute
+    T = defs.OpSchema.AttrType
+    defs.register_schema(defs.OpSchema(
+        trt_plugin.NAME, trt_plugin.NAMESPACE, 1,
+        inputs=[P("q", "T"), P("k", "T"), P("v", "T"), P("k_cache", "T"), P("v_cache", "T"), P("positions", "I")],
+        outputs=[P("out", "T"), P("present_key", "T"), P("present_value", "T")],
+        attributes=[A("scale", T.FLOAT, "", required=True), A("window", T.INT, "", required=True),
+                    A("softcap", T.FLOAT, "", required=True),
+                    A("plugin_namespace", T.STRING, "", required=True),
+                    A("plugin_version", T.STRING, "", required=True)],
+        type_constraints=[("T", ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"], ""),
+                          ("I", ["tensor(int64)", "tensor(int32)"], "")]))
+
+
+_register_schema()
+kvedge_ops = Opset(trt_plugin.NAMESPACE, 1)
+
+
+def unsupported(cfg: ModelConfig) -> list[str]:
+    return [] if cfg.head_dim <= 256 else [f"head_dim {cfg.head_dim} > 256"]
+
+
+def unsupported_quant(bits: int) -> list[str]:
+    return ["quantized weights are not combined with the plugin lowering yet"]
+
+
+translate_qlinear = None
+
+
+def translate(q, k, v, k_cache, v_cache, positions, scale: float, window: int, softcap: float):
+    return getattr(kvedge_ops, trt_plugin.NAME)(
+        q, k, v, k_cache, v_cache, positions, scale=scale, window=window, softcap=softcap,
+        plugin_namespace=trt_plugin.NAMESPACE, plugin_version=trt_plugin.VERSION)
