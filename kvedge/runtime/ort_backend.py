@@ -28,7 +28,7 @@ class OrtBackend:
         try:
             import onnxruntime as ort
         except ImportError:
-            raise MissingDependencyError("the onnxruntime backend needs 'onnxruntime': pip install onnxruntime")
+            raise MissingDependencyError("the onnxruntime backend needs 'onnxruntime': pip install onnxruntime") from None
         self.dir = Path(export_dir)
         self.sidecar = sc = sidecar or Sidecar.read(self.dir)
         self.cfg = sc.model

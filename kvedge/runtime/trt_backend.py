@@ -7,7 +7,8 @@
 - Caches follow kvedge.export.trt_plan.buffer_plan: bound once with set_tensor_address; in place on
   TensorRT >= 10.15, otherwise two buffers per cache tensor swapped after each step.
 - Each step: set_input_shape, set_tensor_address for the small inputs, execute_async_v3(stream).
-- Decode can be captured into a CUDA graph once shapes and addresses are stable (use_cuda_graph).
+- Not done yet: capturing the decode step into a CUDA graph (addresses are stable only on the
+  in-place path; with double buffering they alternate every step).
 - Device buffers come from a small allocator: torch CUDA tensors (default) or pycuda.
 NOT YET RUN on real TensorRT (see README's TensorRT section).
 """
@@ -78,7 +79,7 @@ def default_allocator():
 class TrtBackend:
     name = "tensorrt"
 
-    def __init__(self, export_dir: str | Path, allocator=None, use_cuda_graph: bool = True):
+    def __init__(self, export_dir: str | Path, allocator=None):
         trt = require("tensorrt", "tensorrt", "the TensorRT backend")
         self.dir = Path(export_dir)
         self.sidecar = sc = Sidecar.read(self.dir)
@@ -116,8 +117,6 @@ class TrtBackend:
                 self._pairs.append([past, present, self._buffers[f"{past}#A"][1], self._buffers[f"{past}#B"][1]])
         logits_dtype = torch.float32 if sc.outputs[0]["dtype"] == "float32" else dtype
         self.logits = torch.empty((self.max_batch, 1, self.cfg.vocab_size), dtype=logits_dtype, device="cuda")
-        self.use_cuda_graph = use_cuda_graph
-        self._graph = None
 
     def _contexts(self, trt):
         size = getattr(self.engine, "device_memory_size_v2", None) or self.engine.device_memory_size
@@ -140,7 +139,6 @@ class TrtBackend:
     def reset(self) -> None:
         for t in self.cache_tensors():
             t.zero_()
-        self._graph = None
 
     @torch.inference_mode()
     def forward(self, input_ids, position_ids, logits_index):
@@ -165,6 +163,4 @@ class TrtBackend:
         if not self.path.in_place_cache:
             for pair in self._pairs:  # the present buffer holds the updated cache: it is past next time
                 pair[2], pair[3] = pair[3], pair[2]
-        # CUDA-graph capture of the decode step (use_cuda_graph) needs stable addresses: with double
-        # buffering they alternate, so capture applies to the in-place path only; not done yet.
         return self.logits[:b].float().cpu()
