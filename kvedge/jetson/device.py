@@ -27,16 +27,8 @@ JETPACK = {
     "38.2.0": ("7.0", "13.0", "10.13.3"),
 }
 
-# (substring of the device-tree model, module name, memory GiB or None when the string does not say)
-MODULES = [
-    ("AGX Thor", "AGX Thor", 128),
-    ("Thor", "Thor", None),
-    ("AGX Orin", "AGX Orin", None),
-    ("Orin NX", "Orin NX", None),
-    ("Orin Nano", "Orin Nano", None),
-    ("Xavier NX", "Xavier NX", None),
-    ("AGX Xavier", "AGX Xavier", None),
-]
+# substrings of the device-tree model string, most specific first
+MODULES = ["AGX Thor", "Thor", "AGX Orin", "Orin NX", "Orin Nano", "Xavier NX", "AGX Xavier"]
 
 
 @dataclass
@@ -57,10 +49,7 @@ class JetsonInfo:
 
 def parse_model(text: str) -> str | None:
     text = text.replace("\x00", "").strip()
-    for key, name, _ in MODULES:
-        if key in text:
-            return name
-    return None
+    return next((name for name in MODULES if name in text), None)
 
 
 def parse_l4t(text: str) -> str | None:

@@ -20,8 +20,6 @@ PROMPT, STEPS, TOL = 16, 16, 1e-4
 
 
 def supported(case: str, lowering: str) -> bool:
-    from transformers import AutoConfig  # noqa: F401  (hf_config needs it)
-
     from kvedge.models.config import ModelConfig
     from tests.conftest import hf_config
 

@@ -74,7 +74,11 @@ def test_quantized_export_agrees_with_the_quantized_reference(lowering, scheme, 
                                                     verify_steps=64, allow_degraded=True))
     v = sc.verification
     assert v["passed"] and v["max_abs_error"] < 1e-4  # the ONNX graph vs kvedge's quantized PyTorch model
-    assert 0 <= v["vs_unquantized"]["top1_agreement"] <= 1
+    vs_fp = v["vs_unquantized"]  # against the unquantized model, 65 teacher-forced steps
+    if scheme == "int8":  # measured 95% top-1, cosine 0.9998
+        assert vs_fp["top1_agreement"] >= 0.95 and vs_fp["min_cosine"] > 0.999
+    else:  # int4 RTN on random weights: measured 71% top-1, cosine 0.91 (below the 85% export threshold)
+        assert vs_fp["min_cosine"] > 0.85
     graph = onnx.load(str(tmp_path / "q" / "model.onnx"))
     assert sum(n.op_type == op for n in graph.graph.node) == 4 * sc.model.num_layers
     assert sc.extra["quantization"]["bits"] == (4 if scheme == "int4" else 8)
