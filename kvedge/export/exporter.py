@@ -181,6 +181,35 @@ def check_onnx(path: Path) -> None:
         raise KvedgeError(f"{path}: onnx.checker failed: {e}") from None
 
 
+def _check_prequantized(model_dir: Path, o: ExportOptions, low):
+    """The quantization_config of a pre-quantized (AWQ / GPTQ) checkpoint, checked against the options."""
+    from kvedge.models.prequant import read_spec
+
+    spec = read_spec(model_dir)
+    if spec is None:
+        return None
+    if o.quantize:
+        raise KvedgeError(f"{model_dir} is already quantized ({spec.method}, {spec.bits} bits, says the "
+                          f"quantization_config of its config.json): drop --quantize, it exports as it is")
+    reasons = low.unsupported_quant(spec.bits)
+    if reasons:
+        raise KvedgeError(f"the {low.NAME!r} lowering cannot export this pre-quantized int{spec.bits} checkpoint: "
+                          f"{'; '.join(reasons)}")
+    return spec
+
+
+def _prequantized_record(decoder: Decoder, o: ExportOptions, say: Callable[[str], None]) -> dict:
+    from kvedge.models.quant import QuantLinear
+
+    for m in decoder.modules():
+        if isinstance(m, QuantLinear):
+            m.accuracy_level = o.accuracy_level
+    record = {**decoder.prequantized, "accuracy_level": o.accuracy_level}
+    say(f"pre-quantized checkpoint: {record['linears']} {record['method']} linears, {record['scheme']}, repacked "
+        f"to MatMulNBits without dequantizing")
+    return record
+
+
 def export(model_dir: str | Path, out_dir: str | Path, options: ExportOptions | None = None,
            progress: Callable[[str], None] | None = None) -> Sidecar:
     """Export a checkpoint to out_dir and verify it (unless options.verify is False)."""
@@ -192,6 +221,7 @@ def export(model_dir: str | Path, out_dir: str | Path, options: ExportOptions | 
     cfg = load_config(model_dir)
     _check_options(model_dir, out_dir, o, cfg)
     low = lowerings.get(o.attention)
+    pre = _check_prequantized(model_dir, o, low)
     if out_dir.exists():
         (out_dir / SIDECAR).unlink(missing_ok=True)  # never leave a stale sidecar next to new files
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -206,6 +236,8 @@ def export(model_dir: str | Path, out_dir: str | Path, options: ExportOptions | 
         quant = {"scheme": o.quantize, "bits": QUANT_BITS[o.quantize], "group_size": o.group_size,
                  "method": "rtn", "lm_head": o.quantize_lm_head, "linears": n, "accuracy_level": o.accuracy_level}
         say(f"quantized {n} linears to {o.quantize} (round-to-nearest, groups of {o.group_size})")
+    if pre is not None:  # AWQ / GPTQ checkpoint: the loader already made its QuantLinears
+        quant = _prequantized_record(decoder, o, say)
     say(f"tracing to ONNX: lowering {low.NAME!r}, opset {low.OPSET}, {o.dtype}, max_seq_len {o.max_seq_len}")
     proto = to_onnx(decoder, low.NAME, o.max_seq_len)
     onnx_path = out_dir / "model.onnx"
@@ -235,7 +267,8 @@ def export(model_dir: str | Path, out_dir: str | Path, options: ExportOptions | 
 
         say(f"verifying on ONNX Runtime CPU against PyTorch: {o.verify_prompt_len}-token prompt + "
             f"{o.verify_steps} decode steps")
-        reference = load_decoder(model_dir, dtype=torch_dtype(o.dtype)) if quant else None
+        # a pre-quantized checkpoint has no unquantized model: the graph is compared with the quantized one only
+        reference = load_decoder(model_dir, dtype=torch_dtype(o.dtype)) if quant and pre is None else None
         tolerance = o.tolerance
         if tolerance is None and quant and o.accuracy_level:
             tolerance = (None, 0.999)  # int8 activations: compared by cosine only

@@ -15,7 +15,7 @@ import torch
 
 from kvedge.errors import CheckpointError, ConfigError
 from kvedge.models.config import ModelConfig, load_config
-from kvedge.models import rope
+from kvedge.models import prequant, rope
 from kvedge.models.decoder import Decoder
 
 TORCH_DTYPES = {
@@ -209,7 +209,8 @@ _ST_NAMES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
 
 
 def _check(cfg: ModelConfig, tmap: dict[str, Source], shapes: dict[str, tuple[int, ...]],
-           dtypes: dict[str, str], where: str) -> None:
+           dtypes: dict[str, str], where: str, known: tuple[str, ...] | list[str] = ()) -> None:
+    """`known`: further tensor names that are expected (the quantized linears' tensors, checked by prequant)."""
     wanted = {n: s for src in tmap.values() for n, s in zip(src.names, src.shapes)}
     missing = sorted(set(wanted) - set(shapes))
     if missing:
@@ -217,7 +218,7 @@ def _check(cfg: ModelConfig, tmap: dict[str, Source], shapes: dict[str, tuple[in
             f"{where}: missing tensor(s) for {cfg.arch}: {', '.join(missing[:5])}"
             + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         )
-    ignorable = {"lm_head.weight"} if cfg.tie_embeddings else set()
+    ignorable = ({"lm_head.weight"} if cfg.tie_embeddings else set()) | set(known)
     extra = sorted(n for n in set(shapes) - set(wanted) - ignorable if not n.endswith(_IGNORED_SUFFIXES))
     if extra:
         raise CheckpointError(
@@ -246,9 +247,13 @@ def load_decoder(model_dir: str | Path, dtype: str | torch.dtype | None = None,
     ckpt = _Checkpoint(model_dir, allow_bin)
     prefix = "transformer." if cfg.arch == "gpt2" and "transformer.wte.weight" in ckpt.shapes else ""
     tmap = tensor_map(cfg, prefix)
-    _check(cfg, tmap, ckpt.shapes, ckpt.dtypes, ckpt.where)
+    spec = prequant.read_spec(model_dir)  # a pre-quantized (AWQ / GPTQ) checkpoint: its linears are repacked
+    quantized = prequant.Prequantized.plan(spec, tmap, ckpt.shapes, ckpt.dtypes, ckpt.where) if spec else None
+    if quantized is not None:
+        tmap = quantized.fp_map
+    _check(cfg, tmap, ckpt.shapes, ckpt.dtypes, ckpt.where, known=quantized.names if quantized else ())
 
-    raw = ckpt.read([n for src in tmap.values() for n in src.names])
+    raw = ckpt.read([n for src in tmap.values() for n in src.names] + (quantized.names if quantized else []))
     state: dict[str, torch.Tensor] = {}
     for dst, src in tmap.items():
         parts = [raw.pop(n) for n in src.names]
@@ -256,6 +261,9 @@ def load_decoder(model_dir: str | Path, dtype: str | torch.dtype | None = None,
         state[dst] = (t.t() if src.transpose else t).to(device=device, dtype=want).contiguous()
     with torch.device("meta"):
         model = Decoder(cfg)
+    if quantized is not None:
+        state.update(quantized.install(model, raw, want, device))
+        model.prequantized = quantized.record()
     model.load_state_dict(state, strict=True, assign=True)
     model.inv_freq = (rope.inv_freq(cfg) if cfg.positions == "rope" else torch.empty(0)).to(device)
     return model.eval().requires_grad_(False)
