@@ -129,6 +129,8 @@ def to_onnx(decoder: Decoder, lowering: str, max_seq_len: int):
 
         proto = downgrade_to_17(proto)
     _prune_unused_outputs(proto)
+    if hasattr(low, "finalize"):  # a lowering's own graph rewrite (ort: packed QKV into GroupQueryAttention)
+        low.finalize(proto)
     _name_dynamic_axes(proto)
     return proto
 

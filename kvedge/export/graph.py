@@ -19,16 +19,19 @@ from kvedge.models.attention import attention
 @torch.library.custom_op("kvedge::cached_attention", mutates_args=())
 def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                      v_cache: torch.Tensor, positions: torch.Tensor, scale: float, window: int,
-                     softcap: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(out, present_key, present_value). window <= 0 and softcap <= 0 mean none."""
+                     softcap: float, cos: torch.Tensor | None = None,
+                     sin: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(out, present_key, present_value). window <= 0 and softcap <= 0 mean none; cos/sin are the
+    RoPE tables [S, rotary_dim / 2] (None: no rotation)."""
     k_cache, v_cache = k_cache.clone(), v_cache.clone()
     out = attention(q, k, v, k_cache, v_cache, positions, scale=scale,
-                    window=window if window > 0 else None, softcap=softcap if softcap > 0 else None)
+                    window=window if window > 0 else None, softcap=softcap if softcap > 0 else None,
+                    rope=None if cos is None else (cos, sin))
     return out, k_cache, v_cache
 
 
 @cached_attention.register_fake
-def _(q, k, v, k_cache, v_cache, positions, scale, window, softcap):
+def _(q, k, v, k_cache, v_cache, positions, scale, window, softcap, cos=None, sin=None):
     return torch.empty_like(q), torch.empty_like(k_cache), torch.empty_like(v_cache)
 
 
@@ -41,9 +44,10 @@ class ExportGraph(nn.Module):
         self.decoder = decoder
         self._presents: list[torch.Tensor] = []
 
-    def _op(self, q, k, v, k_cache, v_cache, positions, *, scale, window, softcap):
+    def _op(self, q, k, v, k_cache, v_cache, positions, *, scale, window, softcap, rope=None):
+        cos, sin = rope if rope is not None else (None, None)
         out, pk, pv = torch.ops.kvedge.cached_attention(q, k, v, k_cache, v_cache, positions, float(scale),
-                                                        int(window or 0), float(softcap or 0.0))
+                                                        int(window or 0), float(softcap or 0.0), cos, sin)
         self._presents += [pk, pv]
         return out
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from kvedge.kernels import triton_attention as tk
+from kvedge.models.rope import apply_rope
 
 
 @torch.library.custom_op("kvedge::triton_attention", mutates_args=("k_cache", "v_cache"))
@@ -24,7 +25,9 @@ def _(q, k, v, k_cache, v_cache, positions, scale, window, softcap):
     return torch.empty_like(q)
 
 
-def attention_op(q, k, v, k_cache, v_cache, positions, *, scale, window=None, softcap=None):
-    """The Decoder's attention_op signature, over the custom op."""
+def attention_op(q, k, v, k_cache, v_cache, positions, *, scale, window=None, softcap=None, rope=None):
+    """The Decoder's attention_op signature, over the custom op (RoPE applied in torch before it)."""
+    if rope is not None:
+        q, k = apply_rope(q, *rope, positions), apply_rope(k, *rope, positions)
     return torch.ops.kvedge.triton_attention(q, k, v, k_cache, v_cache, positions, float(scale),
                                              int(window or 0), float(softcap or 0.0))

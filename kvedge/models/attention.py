@@ -2,7 +2,11 @@
 
     attention(q, k, v, k_cache, v_cache, positions, scale=..., window=..., softcap=...)
 
-- q [B, Hq, L, D]; k, v [B, Hkv, L, D]: the new tokens, RoPE already applied to q and k.
+- q [B, Hq, L, D]; k, v [B, Hkv, L, D]: the new tokens' projections.
+- rope: None (no rotary embedding, or it was applied by the caller) or (cos, sin) tables
+  [S_table, rotary_dim / 2] (kvedge.models.rope.tables): q and k are rotated at `positions` first.
+  Rotation belongs to the op so that a target can fuse it with the cache write (ONNX Runtime's
+  GroupQueryAttention do_rotary, the Triton kernels).
 - k_cache, v_cache [B, Hkv, S_max, D]: preallocated; the new k, v are written in place at `positions`.
 - positions [B, L] int64: each row's absolute positions, contiguous within a row (p0, p0+1, ...).
   Rows may start at different positions (ragged batches).
@@ -20,6 +24,8 @@ Export replaces this function per target (see kvedge.export); the Decoder calls 
 from __future__ import annotations
 
 import torch
+
+from kvedge.models.rope import apply_rope
 
 
 def write_cache(cache: torch.Tensor, new: torch.Tensor, positions: torch.Tensor) -> None:
@@ -50,8 +56,12 @@ def attention(
     scale: float,
     window: int | None = None,
     softcap: float | None = None,
+    rope: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """Write k, v into the caches at `positions`, then attend q over the cache. Returns [B, Hq, L, D]."""
+    """Rotate q, k (if rope), write k, v into the caches at `positions`, then attend q over the cache.
+    Returns [B, Hq, L, D]."""
+    if rope is not None:
+        q, k = apply_rope(q, *rope, positions), apply_rope(k, *rope, positions)
     write_cache(k_cache, k, positions)
     write_cache(v_cache, v, positions)
     b, hq, l, d = q.shape

@@ -68,7 +68,7 @@ class Block(nn.Module):
         self.down = nn.Linear(cfg.intermediate_size, h, bias=cfg.mlp_bias)
         self.act = _ACT[cfg.act]
 
-    def forward(self, x, positions, cos_sin, k_cache, v_cache, attention_op):
+    def forward(self, x, positions, rope_tables, k_cache, v_cache, attention_op):
         cfg = self.cfg
         b, l, _ = x.shape
         hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -79,10 +79,8 @@ class Block(nn.Module):
         v = v.view(b, l, hkv, d).transpose(1, 2)
         if cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        if cos_sin is not None:
-            q, k = rope.apply_rope(q, *cos_sin), rope.apply_rope(k, *cos_sin)
-        a = attention_op(q, k, v, k_cache, v_cache, positions,
-                         scale=cfg.attn_scale, window=self.window, softcap=cfg.attn_softcap)
+        a = attention_op(q, k, v, k_cache, v_cache, positions, scale=cfg.attn_scale, window=self.window,
+                         softcap=cfg.attn_softcap, rope=rope_tables)
         a = self.o(a.transpose(1, 2).reshape(b, l, hq * d))
         if cfg.post_norms:
             a = self.post_attn_norm(a)
@@ -119,6 +117,19 @@ class Decoder(nn.Module):
         self.register_buffer("inv_freq", rope.inv_freq(cfg) if cfg.positions == "rope" else torch.empty(0),
                              persistent=False)
         self.attention_op: Callable[..., torch.Tensor] = attention
+        self._tables: tuple | None = None
+
+    def rope_tables(self, length: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin tables [length, rotary_dim / 2] (kvedge.models.rope.tables), kept between calls.
+
+        Under torch.export they are recomputed in the graph (constant-folded there) and not kept."""
+        key = (length, dtype, self.inv_freq.device)
+        if self._tables is not None and self._tables[0] == key:
+            return self._tables[1]
+        tables = rope.tables(self.inv_freq, length, dtype)
+        if not (torch.compiler.is_compiling() or torch.compiler.is_exporting()):
+            self._tables = (key, tables)
+        return tables
 
     def forward(
         self,
@@ -131,13 +142,13 @@ class Decoder(nn.Module):
         x = self.embed(input_ids)
         if cfg.embed_scale != 1.0:
             x = x * torch.tensor(cfg.embed_scale, dtype=x.dtype)
-        cs = None
+        tables = None
         if cfg.positions == "learned":
             x = x + self.pos_embed(positions)
-        else:
-            cs = rope.cos_sin(self.inv_freq, positions, x.dtype)
+        else:  # one table per cache length, shared by every layer
+            tables = self.rope_tables(caches[0][0].shape[2], x.dtype)
         for layer, (k_cache, v_cache) in zip(self.layers, caches, strict=True):
-            x = layer(x, positions, cs, k_cache, v_cache, self.attention_op)
+            x = layer(x, positions, tables, k_cache, v_cache, self.attention_op)
         if logit_index is not None:
             x = x[torch.arange(x.shape[0], device=x.device), logit_index][:, None]
         h = self.norm(x)

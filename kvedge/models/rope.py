@@ -32,18 +32,19 @@ def inv_freq(cfg: ModelConfig) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
-def cos_sin(freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin [batch, 1, seq, rotary_dim] for int64 positions [batch, seq]."""
-    angles = positions.to(torch.float32)[..., None] * freq  # [B, L, dim/2]
-    emb = torch.cat((angles, angles), dim=-1)[:, None]
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+def tables(freq: torch.Tensor, length: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin tables [length, rotary_dim / 2]: row p holds the angles p * freq, for positions 0..length-1.
+
+    This is the layout ONNX Runtime's GroupQueryAttention (do_rotary) and ONNX's RotaryEmbedding take as
+    cos_cache / sin_cache, so every lowering can share one table."""
+    angles = torch.arange(length, dtype=torch.float32, device=freq.device)[:, None] * freq
+    return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate the first rotary_dim channels of x [batch, heads, seq, head_dim]; pass the rest through."""
-    rot = cos.shape[-1]
-    xr, rest = x[..., :rot], x[..., rot:]
-    half = rot // 2
-    rotated = torch.cat((-xr[..., half:], xr[..., :half]), dim=-1)
-    out = xr * cos + rotated * sin
-    return out if rest.shape[-1] == 0 else torch.cat((out, rest), dim=-1)
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Rotate the first rotary_dim channels of x [batch, heads, seq, head_dim] by the table rows at
+    positions [batch, seq] (half rotation: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin)); pass the rest."""
+    c, s = cos[positions][:, None], sin[positions][:, None]  # [B, 1, L, rot/2]
+    half = c.shape[-1]
+    x1, x2, rest = x[..., :half], x[..., half:2 * half], x[..., 2 * half:]
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s, rest), dim=-1)

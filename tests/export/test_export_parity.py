@@ -68,7 +68,7 @@ def test_onnxruntime_matches_pytorch(case, lowering, exported, hf_checkpoint):
 
 
 @pytest.mark.parametrize("lowering", ["onnx", "decomposed", "ort"])
-@pytest.mark.parametrize("case", ["llama-gqa4-llama3rope", "mistral-window", "gpt2"])
+@pytest.mark.parametrize("case", ["llama-gqa4-llama3rope", "mistral-window", "gpt2", "qwen3-qknorm"])
 def test_batch_with_different_prompt_lengths(case, lowering, exported, hf_checkpoint):
     out, _ = exported(case, lowering)
     model = load_decoder(hf_checkpoint(case)[0])
@@ -90,6 +90,24 @@ def test_gqa_is_preserved_in_the_graph(lowering, exported):
         dims = v.type.tensor_type.shape.dim
         assert dims[0].dim_param == "batch"
         assert [d.dim_value for d in dims[1:]] == [cfg.num_kv_heads, MAX_SEQ, cfg.head_dim], v.name
+
+
+@pytest.mark.parametrize("case,fused,packed", [("qwen3-qknorm", True, False), ("gemma", True, True),
+                                               ("llama-mha", False, False), ("phi3-partialrope", False, False),
+                                               ("gpt2", False, True)])
+def test_ort_lowering_fuses_rope_and_packs_qkv(case, fused, packed, exported):
+    """GroupQueryAttention's do_rotary takes the rotary tables when its kernel can (rotary_dim / 2 a multiple
+    of 8: qwen3 and gemma here); narrower rotations stay plain ops. When nothing but views separates q, k
+    and v from the fused projection (no q/k norm, no rotation outside GQA), GQA gets it packed. Parity of
+    every combination is tested above."""
+    out, sidecar = exported(case, "ort")
+    gqa = [n for n in onnx.load(str(out / "model.onnx"), load_external_data=False).graph.node
+           if n.op_type == "GroupQueryAttention"]
+    assert len(gqa) == sidecar.model.num_layers
+    for n in gqa:
+        assert {a.name: onnx.helper.get_attribute_value(a) for a in n.attribute}.get("do_rotary", 0) == int(fused)
+        assert (len(n.input) > 7 and n.input[7] != "") == fused  # cos_cache wired only when fused
+        assert (n.input[1] == n.input[2] == "") == packed
 
 
 def test_contract_names_shapes_and_sidecar(exported):

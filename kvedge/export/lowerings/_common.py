@@ -1,4 +1,4 @@
-"""ONNX pieces the lowerings share: the visible-keys mask and slicing the cache to the live length."""
+"""ONNX pieces the lowerings share: the visible-keys mask, slicing the cache to the live length, RoPE."""
 
 from __future__ import annotations
 
@@ -33,3 +33,19 @@ def visible(positions, length, window: int):
     if window > 0:
         ok = op.And(ok, op.Greater(keys, op.Sub(q, const(window))))
     return ok
+
+
+def rope(x, cos, sin, positions):
+    """x [B, H, L, D] rotated at positions [B, L] by the tables [S, rot/2] (kvedge.models.rope.apply_rope);
+    cos None: x unchanged."""
+    if cos is None:
+        return x
+    half, d = cos.shape[1], x.shape[3]
+    c = op.Unsqueeze(op.Gather(cos, positions, axis=0), const([1]))  # [B, 1, L, rot/2]
+    s = op.Unsqueeze(op.Gather(sin, positions, axis=0), const([1]))
+    x1 = op.Slice(x, const([0]), const([half]), const([3]))
+    x2 = op.Slice(x, const([half]), const([2 * half]), const([3]))
+    parts = [op.Sub(op.Mul(x1, c), op.Mul(x2, s)), op.Add(op.Mul(x2, c), op.Mul(x1, s))]
+    if 2 * half < d:
+        parts.append(op.Slice(x, const([2 * half]), const([d]), const([3])))
+    return op.Concat(*parts, axis=3)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 from onnxscript import opset18 as op
 
-from kvedge.export.lowerings._common import const, fconst, kv_len, live, visible
+from kvedge.export.lowerings._common import const, fconst, kv_len, live, rope, visible
 from kvedge.models.config import ModelConfig
 
 NAME = "decomposed"
@@ -28,9 +28,10 @@ def unsupported_quant(bits: int) -> list[str]:
 
 translate_qlinear = None
 
-def translate(q, k, v, k_cache, v_cache, positions, scale: float, window: int, softcap: float):
+def translate(q, k, v, k_cache, v_cache, positions, scale: float, window: int, softcap: float, cos=None, sin=None):
     hq, d = q.shape[1], q.shape[3]
     hkv = k_cache.shape[1]
+    q, k = rope(q, cos, sin, positions), rope(k, cos, sin, positions)
     index = op.Expand(op.Unsqueeze(positions, const([1, 3])), op.Shape(k))  # [B, Hkv, L, D]
     present_k = op.ScatterElements(k_cache, index, k, axis=2)
     present_v = op.ScatterElements(v_cache, index, v, axis=2)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from onnxscript import opset18 as op
 from onnxscript.values import Opset
 
-from kvedge.export.lowerings._common import const, kv_len, live, visible
+from kvedge.export.lowerings._common import const, kv_len, live, rope, visible
 from kvedge.models.config import ModelConfig
 
 NAME = "onnx"
@@ -43,7 +43,8 @@ def unsupported_quant(bits: int) -> list[str]:
                                  "use --attention ort (MatMulNBits) for INT4"]
 
 
-def translate(q, k, v, k_cache, v_cache, positions, scale: float, window: int, softcap: float):
+def translate(q, k, v, k_cache, v_cache, positions, scale: float, window: int, softcap: float, cos=None, sin=None):
+    q, k = rope(q, cos, sin, positions), rope(k, cos, sin, positions)
     start = op.Gather(positions, const(0), axis=1)  # [B]: each row's first position
     present_k = op24.TensorScatter(k_cache, k, start, axis=2)
     present_v = op24.TensorScatter(v_cache, v, start, axis=2)

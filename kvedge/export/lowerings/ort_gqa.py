@@ -12,7 +12,7 @@ from __future__ import annotations
 from onnxscript import opset18 as op
 from onnxscript.values import Opset
 
-from kvedge.export.lowerings._common import const
+from kvedge.export.lowerings._common import const, rope
 from kvedge.models.config import ModelConfig
 
 NAME = "ort"
@@ -91,9 +91,15 @@ def unsupported_quant(bits: int) -> list[str]:
     return []
 
 
-def translate(q, k, v, k_cache, v_cache, positions, scale: float, window: int, softcap: float):
+def translate(q, k, v, k_cache, v_cache, positions, scale: float, window: int, softcap: float, cos=None, sin=None):
     hq, d = q.shape[1], q.shape[3]
     hkv = k_cache.shape[1]
+    # GQA rotates q and k itself (do_rotary) from the same cos/sin tables, at each row's positions
+    # past..past+L-1 (past = seqlens_k + 1 - L): kvedge's positions. Its kernel needs rotary_dim / 2 to be
+    # a multiple of 8; other rotary widths are rotated by plain ops first.
+    fused_rope = cos is not None and cos.shape[1] % 8 == 0
+    if cos is not None and not fused_rope:
+        q, k = rope(q, cos, sin, positions), rope(k, cos, sin, positions)
 
     def bsh(x, heads):  # [B, H, L, D] -> [B, L, H*D]
         return op.Reshape(op.Transpose(x, perm=[0, 2, 1, 3]), const([0, 0, heads * d]))
@@ -103,8 +109,63 @@ def translate(q, k, v, k_cache, v_cache, positions, scale: float, window: int, s
     total = op.Cast(op.Add(op.ReduceMax(last, keepdims=0), const(1)), to=6)  # int32 scalar
     out, present_k, present_v = msft.GroupQueryAttention(
         bsh(q, hq), bsh(k, hkv), bsh(v, hkv), k_cache, v_cache, seqlens_k, total,
+        cos if fused_rope else None, sin if fused_rope else None,
         num_heads=hq, kv_num_heads=hkv, scale=scale, local_window_size=window if window > 0 else -1,
-        softcap=softcap,
+        softcap=softcap, do_rotary=int(fused_rope),
     )
     out = op.Transpose(op.Reshape(out, const([0, 0, hq, d])), perm=[0, 2, 1, 3])
     return out, present_k, present_v
+
+
+def finalize(proto) -> None:
+    """Feed GroupQueryAttention the packed [B, L, (Hq + 2 Hkv) * D] projection when q, k and v are just the
+    three outputs of one Split of it, reshaped and transposed back and forth (the Decoder's view to
+    [B, H, L, D] and this lowering's view back): GQA splits packed QKV itself, and the Split and its six
+    Reshapes per layer leave the graph. Export verifies the result against PyTorch like any other graph."""
+    nodes = proto.graph.node
+    producer = {o: n for n in nodes for o in n.output}
+    consumers: dict[str, int] = {}
+    for n in nodes:
+        for i in n.input:
+            consumers[i] = consumers.get(i, 0) + 1
+
+    def source(name):
+        """(Split node, output index) behind a chain of single-use Reshapes and Transposes whose
+        transposes cancel out; None when the chain is anything else."""
+        perm = None
+        while (n := producer.get(name)) is not None and n.op_type in ("Reshape", "Transpose"):
+            if consumers.get(n.output[0]) != 1:
+                return None
+            if n.op_type == "Transpose":
+                p = list(next(a.ints for a in n.attribute if a.name == "perm"))
+                perm = p if perm is None else [p[i] for i in perm]  # this transpose runs before the later ones
+            elif perm is not None and perm != sorted(perm):
+                return None  # a reshape between transposes that do not cancel moves data
+            name = n.input[0]
+        if n is None or n.op_type != "Split" or (perm is not None and perm != sorted(perm)):
+            return None
+        return n, list(n.output).index(name)
+
+    for node in nodes:
+        if node.op_type != "GroupQueryAttention" or node.domain != DOMAIN:
+            continue
+        found = [source(i) for i in node.input[:3]]
+        if any(f is None for f in found) or len({id(f[0]) for f in found}) != 1:
+            continue
+        split = found[0][0]
+        axis = next((a.i for a in split.attribute if a.name == "axis"), 0)
+        if [f[1] for f in found] != [0, 1, 2] or len(split.output) != 3 or axis not in (-1, 2):
+            continue
+        node.input[0], node.input[1], node.input[2] = split.input[0], "", ""
+    _drop_dead_nodes(proto)
+
+
+def _drop_dead_nodes(proto) -> None:
+    graph = proto.graph
+    while True:
+        used = {i for n in graph.node for i in n.input} | {o.name for o in graph.output}
+        dead = [n for n in graph.node if not any(o in used for o in n.output)]
+        if not dead:
+            return
+        for n in dead:
+            graph.node.remove(n)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from onnxscript.values import Opset
 
 from kvedge.export import trt_plugin
+from kvedge.export.lowerings._common import rope
 from kvedge.models.config import ModelConfig
 
 NAME = "trt"
@@ -51,7 +52,8 @@ def unsupported_quant(bits: int) -> list[str]:
 translate_qlinear = None
 
 
-def translate(q, k, v, k_cache, v_cache, positions, scale: float, window: int, softcap: float):
+def translate(q, k, v, k_cache, v_cache, positions, scale: float, window: int, softcap: float, cos=None, sin=None):
+    q, k = rope(q, cos, sin, positions), rope(k, cos, sin, positions)
     return getattr(kvedge_ops, trt_plugin.NAME)(
         q, k, v, k_cache, v_cache, positions, scale=scale, window=window, softcap=softcap,
         plugin_namespace=trt_plugin.NAMESPACE, plugin_version=trt_plugin.VERSION)
