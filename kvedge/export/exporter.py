@@ -30,6 +30,8 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 EXTERNAL_DATA_THRESHOLD = 2 * 1024**3  # protobuf's hard limit for one file
 DTYPES = ("fp32", "fp16", "bf16")
 QUANT_BITS = {"int8": 8, "int4": 4}
+QUANT_METHODS = {"rtn": "round-to-nearest", "gptq": "GPTQ"}
+CALIBRATION_ROW = 256  # tokens per calibration sequence (at most the model's positions)
 
 
 @dataclass
@@ -43,7 +45,10 @@ class ExportOptions:
     verify_prompt_len: int = 16
     verify_steps: int = 16
     tolerance: tuple[float | None, float] | None = None  # (max abs, min cosine); None: the dtype's preset
-    quantize: str | None = None  # None | "int8" | "int4": weight-only, round-to-nearest, per group
+    quantize: str | None = None  # None | "int8" | "int4": weight-only, per group
+    quant_method: str = "rtn"  # "rtn" (round-to-nearest) | "gptq" (error-compensating, calibrated on text)
+    calibration_text: str | None = None  # a UTF-8 text file; None: the built-in kvedge/models/calibration.txt
+    calibration_tokens: int = 2048  # at most this many tokens of it (GPTQ calibration and the perplexity)
     group_size: int = 32
     quantize_lm_head: bool = False
     allow_degraded: bool = False  # a quantized export below its top-1 threshold is written anyway
@@ -80,10 +85,64 @@ def _check_options(model_dir: Path, out_dir: Path, o: ExportOptions, cfg) -> Non
             raise KvedgeError(f"the {low.NAME!r} lowering cannot export {o.quantize} weights: {'; '.join(reasons)}")
         if o.group_size not in (16, 32, 64, 128, 256):
             raise KvedgeError(f"--group-size {o.group_size}: expected 16, 32, 64, 128 or 256")
+        if o.quant_method not in QUANT_METHODS:
+            raise KvedgeError(f"--method {o.quant_method!r}: expected {' or '.join(QUANT_METHODS)}")
+        if o.calibration_tokens < 2:
+            raise KvedgeError(f"--calibration-tokens {o.calibration_tokens}: expected at least 2")
+        if o.calibration_text is not None and not Path(o.calibration_text).is_file():
+            raise KvedgeError(f"--calibration-text {o.calibration_text}: no such file")
     if out_dir.exists() and any(out_dir.iterdir()) and not o.force:
         raise KvedgeError(f"{out_dir} exists and is not empty; pass --force to overwrite it")
     if out_dir.resolve() == model_dir.resolve():
         raise KvedgeError("the output folder must not be the checkpoint folder")
+
+
+def calibration_rows(model_dir: Path, cfg, text_file: str | None, tokens: int) -> tuple[torch.Tensor, dict]:
+    """The calibration text as token rows [R, L] (L <= CALIBRATION_ROW and the model's positions), and
+    what they are. Tokenized by the checkpoint's tokenizer.json, else as UTF-8 bytes modulo the vocabulary."""
+    if text_file is None:
+        from importlib import resources
+
+        text, source = resources.files("kvedge.models").joinpath("calibration.txt").read_text("utf-8"), "built-in"
+    else:
+        text, source = Path(text_file).read_text("utf-8"), str(Path(text_file).resolve())
+    if (model_dir / "tokenizer.json").is_file():
+        from kvedge.runtime.tokenizer import Tokenizer
+
+        ids, how = Tokenizer(model_dir).encode(text, add_special_tokens=False), "tokenizer.json"
+        if ids and max(ids) >= cfg.vocab_size:
+            raise KvedgeError(f"{model_dir / 'tokenizer.json'} gives token id {max(ids)} for the calibration text, "
+                              f"outside the model's vocabulary ({cfg.vocab_size})")
+    else:
+        ids, how = [b % cfg.vocab_size for b in text.encode("utf-8")], "utf-8 bytes modulo the vocabulary"
+    row = min(CALIBRATION_ROW, cfg.max_position_embeddings, len(ids))
+    if row < 2:
+        raise KvedgeError(f"calibration text {source}: {len(ids)} tokens, need at least 2")
+    n = max(1, min(tokens, len(ids)) // row)
+    rows = torch.tensor(ids[:n * row]).reshape(n, row)
+    return rows, {"text": source, "tokenizer": how, "tokens": n * row, "rows": n, "row_length": row}
+
+
+def _quantize(decoder: Decoder, model_dir: Path, o: ExportOptions, say: Callable[[str], None]):
+    """Quantize the decoder in place; returns (the sidecar's quantization record, the text rows)."""
+    bits = QUANT_BITS[o.quantize]
+    rows, text = calibration_rows(model_dir, decoder.cfg, o.calibration_text, o.calibration_tokens)
+    record = {"scheme": o.quantize, "bits": bits, "group_size": o.group_size, "method": o.quant_method,
+              "lm_head": o.quantize_lm_head, "accuracy_level": o.accuracy_level}
+    if o.quant_method == "gptq":
+        from kvedge.models.gptq import DAMP, gptq_quantize_decoder
+
+        say(f"GPTQ calibration on {text['tokens']} tokens ({text['rows']} x {text['row_length']}) of the "
+            f"{text['text']} text")
+        fig = gptq_quantize_decoder(decoder, rows, bits, o.group_size, o.quantize_lm_head, o.accuracy_level, say)
+        record.update(linears=fig.pop("linears"), calibration={**text, "damp": DAMP, **fig})
+    else:
+        from kvedge.models.quant import quantize_decoder
+
+        record["linears"] = quantize_decoder(decoder, bits, o.group_size, o.quantize_lm_head, o.accuracy_level)
+    say(f"quantized {record['linears']} linears to {o.quantize} ({QUANT_METHODS[o.quant_method]}, "
+        f"groups of {o.group_size})")
+    return record, (rows, text)
 
 
 def _quiet_export(fn):
@@ -230,14 +289,7 @@ def export(model_dir: str | Path, out_dir: str | Path, options: ExportOptions | 
 
     say(f"loading {model_dir} ({cfg.arch}, {cfg.num_layers} layers, {cfg.num_heads}/{cfg.num_kv_heads} heads)")
     decoder = load_decoder(model_dir, dtype=torch_dtype(o.dtype))
-    quant = None
-    if o.quantize:
-        from kvedge.models.quant import quantize_decoder
-
-        n = quantize_decoder(decoder, QUANT_BITS[o.quantize], o.group_size, o.quantize_lm_head, o.accuracy_level)
-        quant = {"scheme": o.quantize, "bits": QUANT_BITS[o.quantize], "group_size": o.group_size,
-                 "method": "rtn", "lm_head": o.quantize_lm_head, "linears": n, "accuracy_level": o.accuracy_level}
-        say(f"quantized {n} linears to {o.quantize} (round-to-nearest, groups of {o.group_size})")
+    quant, text = _quantize(decoder, model_dir, o, say) if o.quantize else (None, None)
     if pre is not None:  # AWQ / GPTQ checkpoint: the loader already made its QuantLinears
         quant = _prequantized_record(decoder, o, say)
     say(f"tracing to ONNX: lowering {low.NAME!r}, opset {low.OPSET}, {o.dtype}, max_seq_len {o.max_seq_len}")
@@ -275,10 +327,16 @@ def export(model_dir: str | Path, out_dir: str | Path, options: ExportOptions | 
         if tolerance is None and quant and o.accuracy_level:
             tolerance = (None, 0.999)  # int8 activations: compared by cosine only
         report = verify(decoder, out_dir, sidecar, o.verify_prompt_len, o.verify_steps, tolerance=tolerance,
-                        fp_reference=reference, allow_degraded=o.allow_degraded)
+                        fp_reference=reference, allow_degraded=o.allow_degraded, text=text)
         sidecar.verification = report
         say(f"max abs {report['max_abs_error']:.2e}, cosine {report['min_cosine']:.6f}, "
             f"greedy agreement {report['greedy_agreement']:.0%}" + ("" if report["passed"] else "  FAILED"))
+        if "vs_unquantized" in report:
+            v, t = report["vs_unquantized"], report["vs_unquantized"]["on_text"]
+            say(f"against the unquantized model: top-1 {v['top1_agreement']:.0%}, min cosine {v['min_cosine']:.4f} "
+                f"(random prompt); on {t['tokens']} tokens of the {t['text']} text: top-1 {t['top1_agreement']:.0%}, "
+                f"mean cosine {t['mean_cosine']:.4f}, perplexity {t['reference_perplexity']:.3f} -> "
+                f"{t['perplexity']:.3f}")
         if not report["passed"]:
             raise KvedgeError(f"verification failed: {report['reason']}; no {SIDECAR} was written")
     path = sidecar.write(out_dir)

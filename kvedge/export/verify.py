@@ -2,11 +2,13 @@
 
 A prompt, then N greedy decode steps (the tokens PyTorch chooses are fed to both), with the caches
 bound in place exactly as the runtime binds them. Reports max abs logit error, the lowest cosine and
-the greedy-token agreement; tolerances depend on the dtype.
+the greedy-token agreement; tolerances depend on the dtype. A quantized export is also compared with
+the unquantized model (top-1 agreement, cosine) and both models' perplexity on a text is reported.
 """
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import torch
@@ -29,10 +31,45 @@ def _cos(a: torch.Tensor, b: torch.Tensor) -> float:
 QUANT_TOP1 = {"int8": 0.95, "int4": 0.85}
 
 
+def _text_logits(decoder: Decoder, row: torch.Tensor) -> torch.Tensor:
+    """Teacher-forced logits [L - 1, vocab] (float64) predicting row[1:], from position 0."""
+    cache = KVCache.allocate(decoder.cfg, 1, row.numel(), dtype=decoder.embed.weight.dtype)
+    return decoder(row[None], torch.arange(row.numel())[None], cache.for_batch(1))[0, :-1].double()
+
+
+def _nll(logits: torch.Tensor, row: torch.Tensor) -> float:
+    return torch.nn.functional.cross_entropy(logits, row[1:], reduction="sum").item()
+
+
+@torch.inference_mode()
+def perplexity(decoder: Decoder, rows: torch.Tensor) -> float:
+    """exp(mean next-token negative log-likelihood) over token rows [R, L], each row teacher-forced from
+    position 0 (as transformers' loss with labels = input_ids, over all rows' predicted tokens)."""
+    return math.exp(sum(_nll(_text_logits(decoder, row), row) for row in rows) / rows[:, 1:].numel())
+
+
+@torch.inference_mode()
+def compare_on_text(decoder: Decoder, reference: Decoder, rows: torch.Tensor) -> dict:
+    """Both models teacher-forced on token rows [R, L]: their perplexities, and per predicted position the
+    top-1 agreement and the logits' mean cosine of `decoder` against `reference`."""
+    nll, ref_nll, agree, cos = 0.0, 0.0, 0, 0.0
+    for row in rows:
+        got, ref = _text_logits(decoder, row), _text_logits(reference, row)
+        nll, ref_nll = nll + _nll(got, row), ref_nll + _nll(ref, row)
+        agree += int((got.argmax(-1) == ref.argmax(-1)).sum())
+        cos += torch.nn.functional.cosine_similarity(got, ref, dim=-1).sum().item()
+    n = rows[:, 1:].numel()
+    return {"perplexity": math.exp(nll / n), "reference_perplexity": math.exp(ref_nll / n),
+            "top1_agreement": agree / n, "mean_cosine": cos / n, "predicted_tokens": n}
+
+
 @torch.inference_mode()
 def verify(decoder: Decoder, out_dir: str | Path, sidecar: Sidecar, prompt_len: int = 16, steps: int = 16,
            seed: int = 0, tolerance: tuple[float | None, float] | None = None,
-           fp_reference: Decoder | None = None, allow_degraded: bool = False) -> dict:
+           fp_reference: Decoder | None = None, allow_degraded: bool = False,
+           text: tuple[torch.Tensor, dict] | None = None) -> dict:
+    """`text`: (token rows [R, L], what they are) on which a quantized export is also compared with the
+    unquantized model (PyTorch both; the quantized one is the graph within the tolerance above)."""
     from kvedge.runtime.ort_backend import OrtBackend
 
     if sidecar.dtype == "bf16":
@@ -77,6 +114,9 @@ def verify(decoder: Decoder, out_dir: str | Path, sidecar: Sidecar, prompt_len: 
         top1 = sum(fp_agree) / len(fp_agree)
         quant = {"vs_unquantized": {"top1_agreement": top1, "min_cosine": min(fp_cos),
                                     "threshold_top1": QUANT_TOP1[scheme]}}
+        if text is not None:  # teacher-forced on the text: perplexity, top-1, cosine
+            rows, what = text
+            quant["vs_unquantized"]["on_text"] = {**compare_on_text(decoder, fp_reference, rows), **what}
         if top1 < QUANT_TOP1[scheme] and not allow_degraded:
             reasons.append(f"{scheme} top-1 agreement with the unquantized model {top1:.0%} < "
                            f"{QUANT_TOP1[scheme]:.0%} (pass --allow-degraded to keep it)")

@@ -32,24 +32,41 @@ def _unpack4(b: torch.Tensor, n: int) -> torch.Tensor:
     return out[..., :n]
 
 
-def quantize(w: torch.Tensor, bits: int, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """w [N, K] float -> (qweight, scales, zeros) in the MatMulNBits layout (see module doc)."""
-    if bits not in (4, 8):
-        raise KvedgeError(f"bits must be 4 or 8, got {bits}")
-    n, k = w.shape
-    if k % group:
-        raise KvedgeError(f"input size {k} is not a multiple of the group size {group}")
-    nb = k // group
-    wg = w.float().reshape(n, nb, group)
+def group_params(wg: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """wg [..., group] float -> (scale, zero) [...]: the range of each group, widened to include 0."""
     lo = wg.amin(-1).clamp(max=0.0)
     hi = wg.amax(-1).clamp(min=0.0)
     qmax = 2**bits - 1
     scale = ((hi - lo) / qmax).clamp(min=1e-12)
-    zero = torch.round(-lo / scale).clamp(0, qmax)
-    q = torch.clamp(torch.round(wg / scale[..., None]) + zero[..., None], 0, qmax).to(torch.uint8)
+    return scale, torch.round(-lo / scale).clamp(0, qmax)
+
+
+def quantize_values(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int) -> torch.Tensor:
+    """Round w to its grid (scale, zero broadcast against w) -> uint8 in 0..2^bits-1."""
+    return torch.clamp(torch.round(w / scale) + zero, 0, 2**bits - 1).to(torch.uint8)
+
+
+def pack(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q [N, K / group, group] uint8, scale and zero [N, K / group] -> the MatMulNBits layout (module doc)."""
     if bits == 4:
         return _pack4(q), scale.reshape(-1), _pack4(zero.to(torch.uint8)).reshape(-1)
     return q, scale.reshape(-1), zero.to(torch.uint8).reshape(-1)
+
+
+def check_shape(bits: int, k: int, group: int) -> None:
+    if bits not in (4, 8):
+        raise KvedgeError(f"bits must be 4 or 8, got {bits}")
+    if k % group:
+        raise KvedgeError(f"input size {k} is not a multiple of the group size {group}")
+
+
+def quantize(w: torch.Tensor, bits: int, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """w [N, K] float -> (qweight, scales, zeros) in the MatMulNBits layout (see module doc)."""
+    n, k = w.shape
+    check_shape(bits, k, group)
+    wg = w.float().reshape(n, k // group, group)
+    scale, zero = group_params(wg, bits)
+    return pack(quantize_values(wg, scale[..., None], zero[..., None], bits), scale, zero, bits)
 
 
 def dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int, k: int) -> torch.Tensor:
@@ -57,8 +74,12 @@ def dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
     group = k // nb
     q = _unpack4(qweight, group) if bits == 4 else qweight
     z = _unpack4(zeros.reshape(n, -1), nb) if bits == 4 else zeros.reshape(n, nb)
-    w = (q.float() - z.float()[..., None]) * scales.reshape(n, nb)[..., None]
-    return w.reshape(n, k)
+    return dequantize_values(q, scales.reshape(n, nb)[..., None], z[..., None]).reshape(n, k)
+
+
+def dequantize_values(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """(q - zero) * scale in float32 (scale and zero broadcast against q): the inverse of quantize_values."""
+    return (q.float() - zero.float()) * scale
 
 
 @torch.library.custom_op("kvedge::qlinear", mutates_args=())
@@ -75,12 +96,17 @@ def _(x, qweight, scales, zeros, bits, k, accuracy_level):
     return x.new_empty((*x.shape[:-1], qweight.shape[0]))
 
 
+PROJECTIONS = ("qkv", "o", "up", "down")  # the linears of a Block, in the order data flows through them
+
+
 class QuantLinear(nn.Module):
-    def __init__(self, linear: nn.Linear, bits: int, group: int, accuracy_level: int = 0):
+    def __init__(self, linear: nn.Linear, bits: int, group: int, accuracy_level: int = 0,
+                 packed: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None):
+        """packed: (qweight, scales, zeros) already quantized (e.g. by GPTQ); None: round-to-nearest."""
         super().__init__()
         self.bits, self.group, self.accuracy_level = bits, group, accuracy_level
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        q, s, z = quantize(linear.weight.detach(), bits, group)
+        q, s, z = packed if packed is not None else quantize(linear.weight.detach(), bits, group)
         self.register_buffer("qweight", q)
         self.register_buffer("scales", s.to(linear.weight.dtype))
         self.register_buffer("zeros", z)
@@ -98,14 +124,19 @@ def quantize_decoder(model: nn.Module, bits: int, group: int = 32, lm_head: bool
     Embeddings stay in floating point. Returns the number of linears quantized."""
     count = 0
     for layer in model.layers:
-        for name in ("qkv", "o", "up", "down"):
+        for name in PROJECTIONS:
             setattr(layer, name, QuantLinear(getattr(layer, name), bits, group, accuracy_level))
             count += 1
     if lm_head:
-        head = getattr(model, "lm_head", None)
-        if head is None:  # tied: the embedding stays in floating point, the head gets a quantized copy
-            head = nn.Linear(model.cfg.hidden_size, model.cfg.vocab_size, bias=False)
-            head.weight = nn.Parameter(model.embed.weight.detach(), requires_grad=False)
-        model.lm_head = QuantLinear(head, bits, group, accuracy_level)
+        model.lm_head = QuantLinear(lm_head_linear(model), bits, group, accuracy_level)
         count += 1
     return count
+
+
+def lm_head_linear(model: nn.Module) -> nn.Linear:
+    """The model's lm_head; tied: a Linear over the embedding (which itself stays in floating point)."""
+    head = getattr(model, "lm_head", None)
+    if head is None:
+        head = nn.Linear(model.cfg.hidden_size, model.cfg.vocab_size, bias=False)
+        head.weight = nn.Parameter(model.embed.weight.detach(), requires_grad=False)
+    return head

@@ -32,24 +32,26 @@ def test_bad_group():
         quantize(W, 4, 48)
 
 
-@pytest.mark.parametrize("bits", [4, 8])
-def test_layout_matches_onnxruntime_matmulnbits(bits):
-    import kvedge.export.lowerings.ort_gqa  # noqa: F401  (registers the schema for the checker)
-
-    group = 32
-    q, s, z = quantize(W, bits, group)
-    x = np.random.default_rng(1).standard_normal((3, 128)).astype(np.float32)
+def onnxruntime_matmulnbits(x: np.ndarray, q, s, z, bits: int, group: int) -> np.ndarray:
+    """x [M, K] through ONNX Runtime's MatMulNBits kernel over stored (qweight, scales, zeros)."""
+    (m, k), n = x.shape, q.shape[0]
     node = helper.make_node("MatMulNBits", ["x", "B", "scales", "zp"], ["y"], domain="com.microsoft",
-                            K=128, N=48, bits=bits, block_size=group)
-    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, 128])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [3, 48])],
+                            K=k, N=n, bits=bits, block_size=group)
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [m, k])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [m, n])],
                               initializer=[numpy_helper.from_array(q.numpy(), "B"),
                                            numpy_helper.from_array(s.numpy(), "scales"),
                                            numpy_helper.from_array(z.numpy(), "zp")])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)])
-    y = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_layout_matches_onnxruntime_matmulnbits(bits):
+    q, s, z = quantize(W, bits, 32)
+    x = np.random.default_rng(1).standard_normal((3, 128)).astype(np.float32)
     ref = x @ dequantize(q, s, z, bits, 128).numpy().T
-    np.testing.assert_allclose(y, ref, atol=1e-4)
+    np.testing.assert_allclose(onnxruntime_matmulnbits(x, q, s, z, bits, 32), ref, atol=1e-4)
 
 
 def test_int8_layout_matches_blocked_dequantizelinear_reference():
