@@ -161,11 +161,14 @@ def finalize(proto) -> None:
 
 
 def _drop_dead_nodes(proto) -> None:
+    """Remove nodes and initializers nothing reads any more."""
     graph = proto.graph
     while True:
         used = {i for n in graph.node for i in n.input} | {o.name for o in graph.output}
         dead = [n for n in graph.node if not any(o in used for o in n.output)]
         if not dead:
-            return
+            break
         for n in dead:
             graph.node.remove(n)
+    for t in [t for t in graph.initializer if t.name not in used]:
+        graph.initializer.remove(t)
