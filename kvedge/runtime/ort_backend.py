@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from kvedge.errors import KvedgeError, MissingDependencyError
+from kvedge.export import lowerings
 from kvedge.export.contract import Sidecar, input_names, output_names
 from kvedge.models.loader import TORCH_DTYPES
 
@@ -32,6 +33,11 @@ class OrtBackend:
         self.dir = Path(export_dir)
         self.sidecar = sc = sidecar or Sidecar.read(self.dir)
         self.cfg = sc.model
+        need = getattr(lowerings.LOWERINGS.get(sc.lowering), "MIN_ONNXRUNTIME", None)
+        if need and tuple(int(x) for x in ort.__version__.split(".")[:2]) < need:
+            raise KvedgeError(f"{self.dir}: graphs of the {sc.lowering!r} lowering need onnxruntime >= "
+                              f"{'.'.join(map(str, need))}; this is {ort.__version__}. Upgrade onnxruntime, "
+                              f"or export with --attention onnx")
         available = ort.get_available_providers()
         providers = providers or ["CPUExecutionProvider"]
         missing = [p for p in providers if p not in available]
@@ -56,9 +62,6 @@ class OrtBackend:
         logits_dtype = torch.float32 if sc.outputs[0]["dtype"] == "float32" else self.dtype
         self.logits = torch.empty((self.max_batch, 1, self.cfg.vocab_size), dtype=logits_dtype)
         self._in, self._out = input_names(n), output_names(n)
-        # ORT's GroupQueryAttention refuses a multi-token chunk over a non-empty cache when batch > 1:
-        # the session then prefills such batches in one chunk.
-        self.chunked_prefill_max_batch = 1 if sc.lowering == "ort" else None
         self.binding = self.session.io_binding()
         self._bound_batch = 0
 

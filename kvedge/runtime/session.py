@@ -109,9 +109,6 @@ class Session:
         for r, row in enumerate(rows):
             padded[r, :len(row)] = torch.tensor(row)
         chunk_size = self.chunk_size
-        limit = getattr(self.backend, "chunked_prefill_max_batch", None)
-        if limit is not None and b > limit:
-            chunk_size = longest  # the backend cannot continue a multi-row prefill over a cache
         for start in range(0, longest, chunk_size):
             end = min(start + chunk_size, longest)
             chunk = padded[:, start:end]

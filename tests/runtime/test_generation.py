@@ -47,7 +47,8 @@ def test_greedy_tokens_equal_batch_1_and_ragged_batch_3(case, pair):
 
 
 @pytest.mark.parametrize("case,lowering", [("llama-gqa4-llama3rope", "decomposed"), ("mistral-window", "onnx"),
-                                           ("gemma2", "ort"), ("gpt2", "decomposed")])
+                                           ("gemma2", "ort"), ("gpt2", "decomposed"), ("llama-gqa4-llama3rope", "ort"),
+                                           ("gemma", "ort")])
 def test_chunked_prefill_equals_one_shot(case, lowering, pair):
     chunked, torch_s = pair(case, lowering, chunk_size=4)
     one_shot = Session(chunked.backend, chunk_size=512)

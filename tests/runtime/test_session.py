@@ -105,6 +105,15 @@ def test_sidecar_and_graph_disagreeing_or_from_another_version(demo, tmp_path):
         load(bad)
 
 
+def test_ort_lowering_refuses_an_onnxruntime_too_old_for_its_graph(demo, monkeypatch):
+    import onnxruntime
+
+    assert json.loads((demo[1] / "kvedge.json").read_text())["lowering"] == "ort"  # the CPU default
+    monkeypatch.setattr(onnxruntime, "__version__", "1.31.1")
+    with pytest.raises(KvedgeError, match=r"'ort' lowering need onnxruntime >= 1.32; this is 1.31.1"):
+        OrtBackend(demo[1])
+
+
 def test_missing_provider(demo):
     with pytest.raises(KvedgeError, match=r"provider\(s\) \['CUDAExecutionProvider'\] are not available"):
         OrtBackend(demo[1], providers=["CUDAExecutionProvider"])

@@ -18,6 +18,7 @@ from kvedge.models.config import ModelConfig
 NAME = "ort"
 OPSET = 21
 DOMAIN = "com.microsoft"
+MIN_ONNXRUNTIME = (1, 32)  # GroupQueryAttention's query_seqlens input
 
 
 def _register_schema() -> None:
@@ -35,7 +36,10 @@ def _register_schema() -> None:
               P("seqlens_k", "M"), P("total_sequence_length", "M"),
               P("cos_cache", "T", param_option=opt), P("sin_cache", "T", param_option=opt),
               P("position_ids", "tensor(int64)", param_option=opt),
-              P("attention_bias", "T", param_option=opt), P("head_sink", "T", param_option=opt)]
+              P("attention_bias", "T", param_option=opt), P("head_sink", "T", param_option=opt),
+              P("k_scale", "S", param_option=opt), P("v_scale", "S", param_option=opt),
+              P("q_norm_weight", "T", param_option=opt), P("k_norm_weight", "T", param_option=opt),
+              P("query_seqlens", "M", param_option=opt)]
     outputs = [P("output", "T"), P("present_key", "T"), P("present_value", "T")]  # output_qk left out
     attributes = [A("num_heads", ints, "query heads", required=True),
                   A("kv_num_heads", ints, "key/value heads", required=True)]
@@ -45,7 +49,7 @@ def _register_schema() -> None:
     defs.register_schema(defs.OpSchema(
         "GroupQueryAttention", DOMAIN, 1, inputs=inputs, outputs=outputs, attributes=attributes,
         type_constraints=[("T", ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"], ""),
-                          ("M", ["tensor(int32)"], "")]))
+                          ("M", ["tensor(int32)"], ""), ("S", ["tensor(float)"], "")]))
 
 
 def _register_matmulnbits() -> None:
@@ -107,10 +111,13 @@ def translate(q, k, v, k_cache, v_cache, positions, scale: float, window: int, s
     last = op.Gather(positions, const(-1), axis=1)  # [B] each row's last position in this chunk
     seqlens_k = op.Cast(last, to=6)  # int32: total length - 1 per row
     total = op.Cast(op.Add(op.ReduceMax(last, keepdims=0), const(1)), to=6)  # int32 scalar
+    # query_seqlens: every row's chunk is L tokens long (a shorter row's padding lands past its last token,
+    # as in the other lowerings). With it GQA continues a multi-row, multi-token chunk over a filled cache.
+    chunk = op.Cast(op.Expand(op.Shape(positions, start=1, end=2), op.Shape(positions, start=0, end=1)), to=6)
     out, present_k, present_v = msft.GroupQueryAttention(
         bsh(q, hq), bsh(k, hkv), bsh(v, hkv), k_cache, v_cache, seqlens_k, total,
-        cos if fused_rope else None, sin if fused_rope else None,
-        num_heads=hq, kv_num_heads=hkv, scale=scale, local_window_size=window if window > 0 else -1,
+        cos if fused_rope else None, sin if fused_rope else None, None, None, None, None, None, None, None,
+        chunk, num_heads=hq, kv_num_heads=hkv, scale=scale, local_window_size=window if window > 0 else -1,
         softcap=softcap, do_rotary=int(fused_rope),
     )
     out = op.Transpose(op.Reshape(out, const([0, 0, hq, d])), perm=[0, 2, 1, 3])
