@@ -8,6 +8,12 @@ EOS ignored), 2 threads. Peers, each measured here, now, on the same checkpoint:
   with onnxruntime-genai installed (it is not a kvedge dependency: its pins may differ from ours);
 - Hugging Face transformers `generate` (the PyTorch eager reference).
 Figures are medians of --repeat runs after a warm-up; ratios are against GenAI in the same run.
+
+For fp32 it also measures this machine's ceilings in the same run, so the figures can be read against
+physics rather than only against peers: decode reads every weight once per token (the tied embedding
+in full, as the lm_head), so tokens/s <= read bandwidth / weight bytes; prefill of the prompt is
+2 * weights * tokens FLOPs of matrix products, so its time >= FLOPs / the fp32 GEMM rate measured on
+the model's own projection shapes.
 """
 
 from __future__ import annotations
@@ -49,6 +55,37 @@ GENAI_RUNNER = textwrap.dedent("""
 
 def median(xs):
     return statistics.median(xs)
+
+
+def ceilings(ckpt: Path, prompt_len: int) -> tuple[float, float, dict]:
+    """(max decode tokens/s, min prefill seconds, the measured rates) for the fp32 checkpoint here."""
+    from kvedge.models import load_decoder
+
+    model = load_decoder(ckpt)
+    cfg = model.cfg
+    linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    head = cfg.vocab_size * cfg.hidden_size if cfg.tie_embeddings else 0
+    big = torch.randn(linear + head)
+
+    def rate(fn, work, n=10):
+        fn()
+        t = time.perf_counter()
+        for _ in range(n):
+            fn()
+        return work * n / (time.perf_counter() - t)
+
+    read_bps = max(rate(big.sum, big.numel() * 4) for _ in range(3))  # best of three: a ceiling
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    x = torch.randn(prompt_len, h)
+    gemms = [torch.randn(h, cfg.qkv_size), torch.randn(h, 2 * i), torch.randn(i, h)]
+    xs = [x, x, torch.randn(prompt_len, i)]
+    flops = sum(2 * prompt_len * w.shape[0] * w.shape[1] for w in gemms)
+    gemm_fps = max(rate(lambda: [a @ w for a, w in zip(xs, gemms)], flops) for _ in range(3))
+    lm_head = cfg.vocab_size * h
+    # every projection for each prompt token, the lm_head for the last one only
+    prefill_flops = 2 * prompt_len * (linear + head - lm_head) + 2 * lm_head
+    return read_bps / ((linear + head) * 4), prefill_flops / gemm_fps, {
+        "read GB/s": read_bps / 1e9, "fp32 GEMM GFLOP/s": gemm_fps / 1e9, "weight MB read per token": (linear + head) * 4e-6}
 
 
 def bench_kvedge(export_dir: Path, prompt: list[int], gen: int, repeat: int, threads: int):
@@ -148,11 +185,18 @@ def main() -> None:
 
     print(f"SmolLM2-135M shape (random weights), fp32, batch 1, prompt {a.prompt}, gen {a.gen}, "
           f"{a.threads} threads, median of {a.repeat}")
-    print(f"{'runtime':<30} {'prefill ms':>10} {'decode tok/s':>13} {'decode x genai':>15} {'prefill x genai':>16}")
+    top = None if a.quantize else ceilings(ckpt, a.prompt)
+    if top:
+        print("this machine, measured now: " + ", ".join(f"{k} {v:.1f}" for k, v in top[2].items())
+              + f" -> decode <= {top[0]:.1f} tok/s, prefill >= {top[1] * 1e3:.1f} ms")
+    print(f"{'runtime':<30} {'prefill ms':>10} {'decode tok/s':>13} {'decode x genai':>15} {'prefill x genai':>16}"
+          f" {'decode/ceiling':>15} {'ceiling/prefill':>16}")
     for name, pre, dec in rows:
         r_dec = f"{dec / genai[1]:.2f}" if genai else "-"
         r_pre = f"{genai[0] / pre:.2f}" if genai else "-"
-        print(f"{name:<30} {pre * 1e3:10.1f} {dec:13.1f} {r_dec:>15} {r_pre:>16}")
+        c_dec = f"{dec / top[0]:.0%}" if top else "-"
+        c_pre = f"{top[1] / pre:.0%}" if top else "-"
+        print(f"{name:<30} {pre * 1e3:10.1f} {dec:13.1f} {r_dec:>15} {r_pre:>16} {c_dec:>15} {c_pre:>16}")
 
 
 if __name__ == "__main__":
