@@ -30,9 +30,9 @@ def _register_schema() -> None:
         return
     P, A = defs.OpSchema.FormalParameter, defs.OpSchema.Attribute
     opt = defs.OpSchema.FormalParameterOption.Optional
-    ints, floats = defs.OpSchema.AttrType.INT, defs.OpSchema.AttrType.FLOAT
+    ints, floats, strings = defs.OpSchema.AttrType.INT, defs.OpSchema.AttrType.FLOAT, defs.OpSchema.AttrType.STRING
     inputs = [P("query", "T"), P("key", "T", param_option=opt), P("value", "T", param_option=opt),
-              P("past_key", "T", param_option=opt), P("past_value", "T", param_option=opt),
+              P("past_key", "T_CACHE", param_option=opt), P("past_value", "T_CACHE", param_option=opt),
               P("seqlens_k", "M"), P("total_sequence_length", "M"),
               P("cos_cache", "T", param_option=opt), P("sin_cache", "T", param_option=opt),
               P("position_ids", "tensor(int64)", param_option=opt),
@@ -40,15 +40,18 @@ def _register_schema() -> None:
               P("k_scale", "S", param_option=opt), P("v_scale", "S", param_option=opt),
               P("q_norm_weight", "T", param_option=opt), P("k_norm_weight", "T", param_option=opt),
               P("query_seqlens", "M", param_option=opt)]
-    outputs = [P("output", "T"), P("present_key", "T"), P("present_value", "T")]  # output_qk left out
+    outputs = [P("output", "T"), P("present_key", "T_CACHE"), P("present_value", "T_CACHE")]  # output_qk left out
     attributes = [A("num_heads", ints, "query heads", required=True),
                   A("kv_num_heads", ints, "key/value heads", required=True)]
     attributes += [A(n, t, "", required=False) for n, t in (("scale", floats), ("softcap", floats), ("local_window_size", ints),
                                              ("do_rotary", ints), ("rotary_interleaved", ints),
-                                             ("smooth_softmax", ints), ("qk_output", ints))]
+                                             ("smooth_softmax", ints), ("qk_output", ints),
+                                             ("kv_cache_bit_width", ints), ("k_quant_type", strings),
+                                             ("v_quant_type", strings))]
     defs.register_schema(defs.OpSchema(
         "GroupQueryAttention", DOMAIN, 1, inputs=inputs, outputs=outputs, attributes=attributes,
         type_constraints=[("T", ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"], ""),
+                          ("T_CACHE", ["tensor(float)", "tensor(float16)", "tensor(bfloat16)", "tensor(int8)"], ""),
                           ("M", ["tensor(int32)"], ""), ("S", ["tensor(float)"], "")]))
 
 
@@ -95,7 +98,12 @@ def unsupported_quant(bits: int) -> list[str]:
     return []
 
 
-def translate(q, k, v, k_cache, v_cache, positions, scale: float, window: int, softcap: float, cos=None, sin=None):
+def unsupported_kv(kv_dtype: str) -> list[str]:
+    return []  # int8: GQA's quantized cache (k_scale / v_scale, PER_CHANNEL), the kvedge.models.attention semantics
+
+
+def translate(q, k, v, k_cache, v_cache, positions, scale: float, window: int, softcap: float, cos=None, sin=None,
+              k_scale=None, v_scale=None):
     hq, d = q.shape[1], q.shape[3]
     hkv = k_cache.shape[1]
     # GQA rotates q and k itself (do_rotary) from the same cos/sin tables, at each row's positions
@@ -114,56 +122,65 @@ def translate(q, k, v, k_cache, v_cache, positions, scale: float, window: int, s
     # query_seqlens: every row's chunk is L tokens long (a shorter row's padding lands past its last token,
     # as in the other lowerings). With it GQA continues a multi-row, multi-token chunk over a filled cache.
     chunk = op.Cast(op.Expand(op.Shape(positions, start=1, end=2), op.Shape(positions, start=0, end=1)), to=6)
+    # int8 cache: GQA quantizes the new k (after its rotation) and v with the [1, Hkv, 1, D] scales and reads
+    # the dequantized cache, as kvedge.models.attention does
+    quant = {} if k_scale is None else dict(k_quant_type="PER_CHANNEL", v_quant_type="PER_CHANNEL", kv_cache_bit_width=8)
     out, present_k, present_v = msft.GroupQueryAttention(
         bsh(q, hq), bsh(k, hkv), bsh(v, hkv), k_cache, v_cache, seqlens_k, total,
-        cos if fused_rope else None, sin if fused_rope else None, None, None, None, None, None, None, None,
+        cos if fused_rope else None, sin if fused_rope else None, None, None, None, k_scale, v_scale, None, None,
         chunk, num_heads=hq, kv_num_heads=hkv, scale=scale, local_window_size=window if window > 0 else -1,
-        softcap=softcap, do_rotary=int(fused_rope),
+        softcap=softcap, do_rotary=int(fused_rope), **quant,
     )
     out = op.Transpose(op.Reshape(out, const([0, 0, hq, d])), perm=[0, 2, 1, 3])
     return out, present_k, present_v
 
 
 def finalize(proto) -> None:
-    """Feed GroupQueryAttention the packed [B, L, (Hq + 2 Hkv) * D] projection when q, k and v are just the
-    three outputs of one Split of it, reshaped and transposed back and forth (the Decoder's view to
-    [B, H, L, D] and this lowering's view back): GQA splits packed QKV itself, and the Split and its six
-    Reshapes per layer leave the graph. Export verifies the result against PyTorch like any other graph."""
-    nodes = proto.graph.node
-    producer = {o: n for n in nodes for o in n.output}
-    consumers: dict[str, int] = {}
-    for n in nodes:
+    """Strip the views around GroupQueryAttention that the export leaves (the Decoder's [B, H, L, D] view
+    of q, k, v and of the output, and this lowering's views back to [B, L, H * D]):
+    - when q, k and v are the three outputs of one Split of the fused projection, GQA gets the packed
+      [B, L, (Hq + 2 Hkv) * D] tensor (it splits packed QKV itself): the Split and six Reshapes go;
+    - the output's Reshape/Transpose round trip to the o projection goes.
+    Only chains of views whose transposes cancel are touched, so the data never moves; export verifies
+    the result against PyTorch like any other graph."""
+    graph = proto.graph
+    producer = {o: n for n in graph.node for o in n.output}
+    users: dict[str, list] = {}
+    for n in graph.node:
         for i in n.input:
-            consumers[i] = consumers.get(i, 0) + 1
+            users.setdefault(i, []).append(n)
+    outputs = {o.name for o in graph.output}
 
-    def source(name):
-        """(Split node, output index) behind a chain of single-use Reshapes and Transposes whose
-        transposes cancel out; None when the chain is anything else."""
+    def walk(name, backward: bool):
+        """Follow single-use Reshape/Transpose nodes from value `name`; returns the value reached, or None
+        when the transposes on the way do not cancel (or a reshape sits between ones that do not)."""
         perm = None
-        while (n := producer.get(name)) is not None and n.op_type in ("Reshape", "Transpose"):
-            if consumers.get(n.output[0]) != 1:
-                return None
+        while True:
+            if backward:
+                n = producer.get(name)
+            else:
+                n = users[name][0] if users.get(name) and name not in outputs else None
+            if (n is None or n.op_type not in ("Reshape", "Transpose") or len(users.get(name, [])) != 1
+                    or (not backward and n.input[0] != name)):  # forward: `name` must be the data, not a shape
+                break
             if n.op_type == "Transpose":
                 p = list(next(a.ints for a in n.attribute if a.name == "perm"))
-                perm = p if perm is None else [p[i] for i in perm]  # this transpose runs before the later ones
+                perm = p if perm is None else [p[i] for i in perm] if backward else [perm[i] for i in p]
             elif perm is not None and perm != sorted(perm):
-                return None  # a reshape between transposes that do not cancel moves data
-            name = n.input[0]
-        if n is None or n.op_type != "Split" or (perm is not None and perm != sorted(perm)):
-            return None
-        return n, list(n.output).index(name)
+                return None
+            name = n.input[0] if backward else n.output[0]
+        return name if perm is None or perm == sorted(perm) else None
 
-    for node in nodes:
-        if node.op_type != "GroupQueryAttention" or node.domain != DOMAIN:
-            continue
-        found = [source(i) for i in node.input[:3]]
-        if any(f is None for f in found) or len({id(f[0]) for f in found}) != 1:
-            continue
-        split = found[0][0]
-        axis = next((a.i for a in split.attribute if a.name == "axis"), 0)
-        if [f[1] for f in found] != [0, 1, 2] or len(split.output) != 3 or axis not in (-1, 2):
-            continue
-        node.input[0], node.input[1], node.input[2] = split.input[0], "", ""
+    for node in [n for n in graph.node if n.op_type == "GroupQueryAttention" and n.domain == DOMAIN]:
+        ends = [walk(i, backward=True) for i in node.input[:3]]
+        split = producer.get(ends[0]) if ends[0] else None
+        if (split is not None and split.op_type == "Split" and list(split.output) == ends
+                and next((a.i for a in split.attribute if a.name == "axis"), 0) in (-1, 2)):
+            node.input[0], node.input[1], node.input[2] = split.input[0], "", ""
+        end = walk(node.output[0], backward=False)
+        if end is not None and end != node.output[0]:
+            for user in users.get(end, []):
+                user.input[list(user.input).index(end)] = node.output[0]
     _drop_dead_nodes(proto)
 
 
