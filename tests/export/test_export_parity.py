@@ -110,6 +110,15 @@ def test_ort_lowering_fuses_rope_and_packs_qkv(case, fused, packed, exported):
         assert (n.input[1] == n.input[2] == "") == packed
 
 
+def test_ort_lowering_fuses_residual_add_into_rms_norm(exported):
+    """Every RMSNorm that follows a residual Add becomes one SkipSimplifiedLayerNormalization: all but
+    the first block's attention norm (it follows the embedding) and the final norm (it follows the
+    logit-row gather). Parity of the fused graph is tested above."""
+    out, sidecar = exported("llama-gqa2-bias", "ort")
+    ops = [n.op_type for n in onnx.load(str(out / "model.onnx"), load_external_data=False).graph.node]
+    assert ops.count("SkipSimplifiedLayerNormalization") == 2 * sidecar.model.num_layers - 1
+
+
 def test_contract_names_shapes_and_sidecar(exported):
     out, sidecar = exported("qwen2-bias", "onnx")
     meta = json.loads((out / "kvedge.json").read_text())

@@ -78,8 +78,27 @@ def _register_matmulnbits() -> None:
                           ("T4", ["tensor(int32)"], "")]))
 
 
+def _register_skip_rms_norm() -> None:
+    """com.microsoft.SkipSimplifiedLayerNormalization as ONNX Runtime's contrib operator spec documents it."""
+    from onnx import defs
+
+    if defs.has("SkipSimplifiedLayerNormalization", DOMAIN):
+        return
+    P, A = defs.OpSchema.FormalParameter, defs.OpSchema.Attribute
+    opt = defs.OpSchema.FormalParameterOption.Optional
+    defs.register_schema(defs.OpSchema(
+        "SkipSimplifiedLayerNormalization", DOMAIN, 1,
+        inputs=[P("input", "T"), P("skip", "T"), P("gamma", "T"), P("bias", "T", param_option=opt)],
+        outputs=[P("output", "T"), P("mean", "U", param_option=opt), P("inv_std_var", "U", param_option=opt),
+                 P("input_skip_bias_sum", "T", param_option=opt)],
+        attributes=[A("epsilon", defs.OpSchema.AttrType.FLOAT, "", required=False)],
+        type_constraints=[("T", ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"], ""),
+                          ("U", ["tensor(float)"], "")]))
+
+
 _register_schema()
 _register_matmulnbits()
+_register_skip_rms_norm()
 msft = Opset(DOMAIN, 1)
 
 
@@ -181,7 +200,49 @@ def finalize(proto) -> None:
         if end is not None and end != node.output[0]:
             for user in users.get(end, []):
                 user.input[list(user.input).index(end)] = node.output[0]
+    _fuse_skip_rms_norm(graph, producer, users)
     _drop_dead_nodes(proto)
+
+
+def _fuse_skip_rms_norm(graph, producer, users) -> None:
+    """Residual Add + the Decoder's RMSNorm (x / Sqrt(ReduceMean(x^2, -1) + eps) * w, float32) ->
+    one SkipSimplifiedLayerNormalization (ONNX Runtime contrib op) whose 4th output is the sum the next
+    residual Add reads. ONNX Runtime fuses the norm alone, not the Add before it."""
+    import numpy as np
+    from onnx import helper, numpy_helper
+
+    consts = {t.name: numpy_helper.to_array(t) for t in graph.initializer}
+    consts.update({n.output[0]: numpy_helper.to_array(n.attribute[0].t) for n in graph.node
+                   if n.op_type == "Constant" and n.attribute and n.attribute[0].name == "value"})
+
+    def one(name, op_type):
+        n = producer.get(name)
+        return n if n is not None and n.op_type == op_type and len(users.get(name, [])) == 1 else None
+
+    for div in [n for n in graph.node if n.op_type == "Div"]:
+        x = div.input[0]
+        sqrt = one(div.input[1], "Sqrt")
+        add_eps = sqrt and one(sqrt.input[0], "Add")
+        mean = add_eps and one(add_eps.input[0], "ReduceMean")
+        pow_ = mean and one(mean.input[0], "Pow")
+        residual = producer.get(x)
+        muls = users.get(div.output[0], [])
+        if not (pow_ and pow_.input[0] == x and residual is not None and residual.op_type == "Add"
+                and len(muls) == 1 and muls[0].op_type == "Mul"):
+            continue
+        mul = muls[0]
+        weight = next((i for i in mul.input if i != div.output[0]), None)
+        eps, two, axes = (consts.get(v) for v in (add_eps.input[1], pow_.input[1], mean.input[1]))
+        if (weight not in consts or consts[weight].ndim != 1 or eps is None or eps.size != 1 or two is None
+                or float(two) != 2.0 or axes is None or [int(a) for a in axes.reshape(-1)] != [-1]
+                or {u.op_type for u in users[x]} - {"Pow", "Div", "Add"}):
+            continue
+        fused = helper.make_node("SkipSimplifiedLayerNormalization", [*residual.input, weight],
+                                 [mul.output[0], "", "", x], domain=DOMAIN, epsilon=float(eps),
+                                 name=f"{mul.name or mul.output[0]}/SkipRMSNorm")
+        graph.node.insert(list(graph.node).index(residual), fused)
+        for n in (residual, pow_, mean, add_eps, sqrt, div, mul):
+            graph.node.remove(n)
 
 
 def _drop_dead_nodes(proto) -> None:
