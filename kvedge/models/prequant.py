@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from kvedge.errors import CheckpointError, ConfigError
+from kvedge.models.quant import pack
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # value j of an AWQ word holds column AWQ_ORDER[j] of its 8
 AWQ_INVERSE = tuple(AWQ_ORDER.index(c) for c in range(8))  # column c is value AWQ_INVERSE[c]
@@ -149,12 +150,7 @@ def unpack(spec: PrequantSpec, t: dict[str, torch.Tensor]) -> tuple[torch.Tensor
 def matmulnbits(q: torch.Tensor, z: torch.Tensor, s: torch.Tensor, bits: int, group: int
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """q [N, K], z and s [N, K / G] -> (qweight, scales, zeros) in the MatMulNBits layout of kvedge.models.quant."""
-    from kvedge.models.quant import _pack4
-
-    q8, z8 = q.to(torch.uint8).reshape(q.shape[0], -1, group), z.to(torch.uint8)
-    if bits == 4:
-        return _pack4(q8), s.reshape(-1), _pack4(z8).reshape(-1)
-    return q8, s.reshape(-1), z8.reshape(-1)
+    return pack(q.to(torch.uint8).reshape(q.shape[0], -1, group), s, z.to(torch.uint8), bits)
 
 
 # -- the plan: which kvedge linears come from which quantized checkpoint linears ----------------
