@@ -260,7 +260,8 @@ def cmd_plan(args) -> int:
     from kvedge.models import load_config
 
     cfg = load_config(args.model)
-    p = plan(cfg, args.seq_len, args.batch, args.dtype, args.kv_dtype, args.memory_gb, args.device)
+    p = plan(cfg, args.seq_len, args.batch, args.dtype, args.kv_dtype, args.memory_gb, args.device,
+             quantize=args.quantize, group=args.group_size, quantize_lm_head=args.quantize_lm_head)
     mib = 2**20
     info = {"model": f"{cfg.arch}, {cfg.num_layers} layers, {cfg.num_heads} q / {cfg.num_kv_heads} kv heads",
             "weights_bytes": p.weights_bytes, "kv_bytes": p.kv_bytes, "activation_bytes": p.activation_bytes,
@@ -274,7 +275,8 @@ def cmd_plan(args) -> int:
     if args.json:
         print(json.dumps(info, indent=2))
         return 0
-    print(f"model: {info['model']}; seq_len {args.seq_len}, batch {args.batch}, weights {args.dtype}, "
+    quant = f" ({args.quantize} projections, group {args.group_size})" if args.quantize else ""
+    print(f"model: {info['model']}; seq_len {args.seq_len}, batch {args.batch}, weights {args.dtype}{quant}, "
           f"KV {args.kv_dtype or args.dtype}")
     if args.device:
         print(f"device: {info['device']}")
@@ -451,6 +453,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--batch", type=int, default=1)
     s.add_argument("--dtype", default="fp16", help="weight dtype: fp32, fp16, bf16, int8, int4")
     s.add_argument("--kv-dtype", default=None, help="cache dtype (default: --dtype)")
+    s.add_argument("--quantize", choices=["int8", "int4"], help="weight-only quantized projections, as exported")
+    s.add_argument("--group-size", type=int, default=32)
+    s.add_argument("--quantize-lm-head", action="store_true")
     s.add_argument("--json", action="store_true")
     s.set_defaults(fn=cmd_plan)
 

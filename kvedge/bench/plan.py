@@ -2,6 +2,10 @@
 
 Figures (bytes, each stated separately):
 - weights: parameter count from the config (embeddings, every layer, lm_head unless tied) x dtype bytes;
+  with --quantize int8|int4, the projections of every block (qkv, o, up, down; and the lm_head with
+  --quantize-lm-head) as stored in the MatMulNBits layout (kvedge.models.quant): per output row, bits / 8
+  bytes a weight, one scale (dtype bytes) and one zero point (bits, rounded up to whole bytes per row) a
+  group; embeddings, norms and biases stay in dtype;
 - KV cache: 2 * layers * kv_heads * head_dim * kv bytes, per token, times context and batch;
 - activations: the largest transient of one forward over a prefill chunk of `chunk` tokens:
   batch * chunk * (4 * hidden + 2 * intermediate + q_heads * context) * compute bytes, plus the
@@ -46,13 +50,21 @@ DEVICES = {d.name: d for d in (
 )}
 
 
+QUANT_BITS = {"int8": 8, "int4": 4}
+
+
+def projection_shapes(cfg: ModelConfig) -> list[tuple[int, int]]:
+    """(out, in) of one block's linears, the ones --quantize replaces: qkv, o, up (gate+up for GLU), down."""
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    return [(cfg.qkv_size, h), (h, cfg.num_heads * cfg.head_dim), (2 * i if cfg.mlp == "glu" else i, h), (h, i)]
+
+
 def parameter_count(cfg: ModelConfig) -> int:
     h, i, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     norm = h * (2 if cfg.norm == "layer" else 1)
-    per_layer = h * cfg.qkv_size + (cfg.qkv_size if cfg.qkv_bias else 0)
-    per_layer += cfg.num_heads * d * h + (h if cfg.o_bias else 0)
-    up = 2 * i if cfg.mlp == "glu" else i
-    per_layer += h * up + i * h + ((up + h) if cfg.mlp_bias else 0)
+    shapes = projection_shapes(cfg)
+    per_layer = sum(n * k for n, k in shapes) + (cfg.qkv_size if cfg.qkv_bias else 0) + (h if cfg.o_bias else 0)
+    per_layer += (shapes[2][0] + h) if cfg.mlp_bias else 0
     per_layer += norm * (4 if cfg.post_norms else 2) + (2 * d if cfg.qk_norm else 0)
     total = cfg.num_layers * per_layer + cfg.vocab_size * h + norm
     if cfg.positions == "learned":
@@ -60,6 +72,32 @@ def parameter_count(cfg: ModelConfig) -> int:
     if not cfg.tie_embeddings:
         total += cfg.vocab_size * h
     return total
+
+
+def quantized_linear_bytes(n: int, k: int, bits: int, group: int, scale_bytes: float) -> int:
+    """An [n, k] linear in the MatMulNBits layout: n * k * bits / 8 + n * groups * scale bytes + the zero
+    points, n * ceil(groups * bits / 8)."""
+    if k % group:
+        raise KvedgeError(f"input size {k} is not a multiple of the group size {group}")
+    groups = k // group
+    return int(n * k * bits // 8 + n * groups * scale_bytes + n * -(-groups * bits // 8))
+
+
+def weight_bytes(cfg: ModelConfig, dtype: str = "fp16", quantize: str | None = None, group: int = 32,
+                 lm_head: bool = False) -> int:
+    """Bytes of the weights: everything in dtype, or with quantize the block projections (and the lm_head
+    if asked; tied, it becomes a quantized copy and the embedding stays) quantized, the rest in dtype."""
+    fp = dtype_bytes(dtype)
+    if quantize is None:
+        return int(parameter_count(cfg) * fp)
+    if quantize not in QUANT_BITS:
+        raise KvedgeError(f"--quantize {quantize!r}: expected {' or '.join(QUANT_BITS)}")
+    linears = projection_shapes(cfg) * cfg.num_layers
+    fp_params = parameter_count(cfg) - sum(n * k for n, k in linears)
+    if lm_head:
+        linears.append((cfg.vocab_size, cfg.hidden_size))
+        fp_params -= 0 if cfg.tie_embeddings else cfg.vocab_size * cfg.hidden_size
+    return int(fp_params * fp) + sum(quantized_linear_bytes(n, k, QUANT_BITS[quantize], group, fp) for n, k in linears)
 
 
 def activation_bytes(cfg: ModelConfig, context: int, batch: int, chunk: int, dtype: str) -> int:
@@ -89,7 +127,12 @@ class Plan:
 
 
 def plan(cfg: ModelConfig, seq_len: int, batch: int = 1, dtype: str = "fp16", kv_dtype: str | None = None,
-         memory_gb: float | None = None, device: str | None = None, chunk: int = 512) -> Plan:
+         memory_gb: float | None = None, device: str | None = None, chunk: int = 512, quantize: str | None = None,
+         group: int = 32, quantize_lm_head: bool = False) -> Plan:
+    """dtype: the floating type of the weights, activations and scales (int8 / int4: short for
+    quantize=dtype with fp16)."""
+    if dtype in QUANT_BITS and quantize is None:
+        quantize, dtype = dtype, "fp16"
     kv_dtype = kv_dtype or dtype
     if seq_len < 1 or batch < 1:
         raise KvedgeError(f"--seq-len and --batch must be >= 1, got {seq_len}, {batch}")
@@ -101,7 +144,7 @@ def plan(cfg: ModelConfig, seq_len: int, batch: int = 1, dtype: str = "fp16", kv
         usable = int((dev.memory_gb - dev.reserve_gb) * GiB)
     elif memory_gb is not None:
         usable = int(memory_gb * GiB)
-    weights = int(parameter_count(cfg) * dtype_bytes(dtype))
+    weights = weight_bytes(cfg, dtype, quantize, group, quantize_lm_head)
     per_token = kv_bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, kv_dtype)
     act = activation_bytes(cfg, seq_len, batch, chunk, dtype)
     max_ctx = max_b = mem_ctx = None

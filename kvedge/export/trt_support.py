@@ -43,12 +43,32 @@ LATER_OPS = {
 DTYPE_SINCE = {1: (8, 6), 10: (8, 6), 6: (8, 6), 7: (8, 6), 9: (8, 6), 2: (8, 6), 3: (8, 6),
                16: (10, 0), 17: (10, 0), 22: (10, 0)}  # float, fp16, int32, int64, bool, uint8, int8, bf16, fp8, int4
 DTYPE_NAMES = {1: "float32", 10: "float16", 6: "int32", 7: "int64", 9: "bool", 2: "uint8", 3: "int8", 16: "bfloat16",
-               17: "float8e4m3", 22: "int4", 11: "float64"}
+               17: "float8e4m3", 22: "int4", 11: "float64", 21: "uint4"}
 PLUGINS = {  # custom-domain op -> what provides it
     ("com.microsoft", "GroupQueryAttention"): "ONNX Runtime's contrib op: no TensorRT implementation; "
                                               "re-export with --attention onnx or decomposed",
-    ("com.microsoft", "MatMulNBits"): "ONNX Runtime's contrib op: re-export with the QDQ form for TensorRT",
+    ("com.microsoft", "MatMulNBits"): "ONNX Runtime's contrib op (weight-only INT4/INT8): no TensorRT "
+                                      "implementation; re-export with --attention onnx (DequantizeLinear + MatMul)",
 }
+
+# Weight-only quantized forms TensorRT builds: DequantizeLinear(x, scale[, zero point]) -> MatMul, by the type of
+# x. Sources: onnx-tensorrt docs/operators.md (10.15: "DequantizeLinear | INT8, FP8, FP4, INT4 | `x_zero_point`
+# must be zero"; "UINT8 is only supported as network input or output tensor types"; no UINT4); TensorRT docs
+# "Working with Quantized Types" (symmetric only; INT8 signed; INT4 signed, weight-only), "Quantization Schemes"
+# (INT4: per-block scales, block sizes {64, 128}, blocked along one of the last two axes), the IDequantizeLayer
+# reference (zeroPt must be all zeros); TensorRT 10.0 release notes (parser: "Added support for INT4 quantization",
+# INT4 weight-only with block quantization); TensorRT Model Optimizer support matrix (W4A16 block-wise INT4: Ampere
+# and later; FP8: Ada and later). Blocked INT8: the 10.0/10.1 Quantize/Dequantize references list block
+# quantization for kINT4 only, the current one adds kINT8/kFP8/kFP4; kvedge did not pin the release between, so
+# it says 10.15 (erring toward no). GPUs: Jetson Orin is Ampere (sm_87), Thor is Blackwell.
+QUANT_FORMS = {  # x dtype (ONNX) -> what TensorRT needs
+    3: {"name": "INT8", "since": (8, 6), "blocked_since": (10, 15), "block_sizes": None, "gpus": "Turing and later"},
+    22: {"name": "INT4", "since": (10, 0), "blocked_since": (10, 0), "block_sizes": (64, 128),
+         "gpus": "Ampere and later (Jetson Orin, Thor)"},
+    17: {"name": "FP8", "since": (10, 0), "blocked_since": (10, 15), "block_sizes": None,
+         "gpus": "Ada, Hopper, Blackwell (Thor); not Ampere (Orin)"},
+}
+UNSIGNED = {2: "UINT8", 21: "UINT4"}  # no TensorRT quantized type; kvedge's asymmetric quantizer stores these
 
 
 KVEDGE_PLUGIN = ("kvedge", "gqa_attention", (10, 7))  # domain, op, first TensorRT with tensorrt.plugin QDPs
@@ -56,7 +76,7 @@ KVEDGE_PLUGIN = ("kvedge", "gqa_attention", (10, 7))  # domain, op, first Tensor
 
 @dataclass
 class Finding:
-    kind: str  # "opset" | "op" | "attribute" | "dtype" | "plugin" | "shape"
+    kind: str  # "opset" | "op" | "attribute" | "dtype" | "plugin" | "shape" | "quantization"
     message: str
     blocking: bool = True
 
@@ -122,6 +142,7 @@ def check(model_path: str | Path, trt_version: str, dynamic_axes: tuple[str, ...
         if node.op_type == "Attention" and any(a.name == "softcap" and a.f for a in node.attribute):
             rep.findings.append(Finding("attribute", f"Attention node {node.name!r} uses softcap"))
         seen.add(key)
+    rep.findings += quantization_findings(model, v)
     dtypes = {t.data_type for t in model.graph.initializer}
     dtypes |= {vi.type.tensor_type.elem_type for vi in list(model.graph.input) + list(model.graph.output)}
     for dt in sorted(dtypes - {0}):
@@ -142,3 +163,42 @@ def check(model_path: str | Path, trt_version: str, dynamic_axes: tuple[str, ...
             elif not d.dim_param and not d.HasField("dim_value"):
                 rep.findings.append(Finding("shape", f"input {vi.name!r} axis {i} has no size and no name"))
     return rep
+
+
+def quantization_findings(model, v: tuple[int, int]) -> list[Finding]:
+    """Weight-only DequantizeLinear nodes (an initializer dequantized) against QUANT_FORMS: one finding per
+    distinct problem, with its node count, and a note naming the GPUs each form builds for."""
+    from onnx import TensorProto, numpy_helper
+
+    inits = {t.name: t for t in model.graph.initializer}
+    problems: dict[str, int] = {}
+    used: set[int] = set()
+    for node in model.graph.node:
+        x = inits.get(node.input[0]) if node.op_type == "DequantizeLinear" and node.input else None
+        if x is None or node.domain not in ("", "ai.onnx"):
+            continue
+        block = next((a.i for a in node.attribute if a.name == "block_size"), 0)
+        form = QUANT_FORMS.get(x.data_type)
+        zero = inits.get(node.input[2]) if len(node.input) > 2 and node.input[2] else None
+        if x.data_type in UNSIGNED:
+            msg = (f"DequantizeLinear of {UNSIGNED[x.data_type]} weights with zero points (kvedge's asymmetric "
+                   "quantization): TensorRT's quantized weights are signed INT8 / INT4 with zero points all zero "
+                   "(symmetric only), so no TensorRT builds this graph; run it on ONNX Runtime")
+        elif form is None:
+            msg = f"DequantizeLinear of {DTYPE_NAMES.get(x.data_type, x.data_type)} weights: not a TensorRT " \
+                  "quantized type"
+        elif v < (since := form["blocked_since"] if block else form["since"]):
+            msg = (f"{'blocked ' if block else ''}{form['name']} DequantizeLinear needs TensorRT >= "
+                   f"{since[0]}.{since[1]}")
+        elif block and form["block_sizes"] and block not in form["block_sizes"]:
+            msg = (f"{form['name']} block size {block}: TensorRT supports {' or '.join(map(str, form['block_sizes']))}"
+                   " (export --group-size 64 or 128)")
+        elif zero is not None and zero.data_location != TensorProto.EXTERNAL and numpy_helper.to_array(zero).any():
+            msg = f"{form['name']} DequantizeLinear with non-zero zero points: TensorRT is symmetric only"
+        else:
+            used.add(x.data_type)
+            continue
+        problems[msg] = problems.get(msg, 0) + 1
+    out = [Finding("quantization", f"{msg} ({n} node{'s' if n > 1 else ''})") for msg, n in problems.items()]
+    return out + [Finding("quantization", f"{QUANT_FORMS[dt]['name']} weight-only layers build for "
+                                          f"{QUANT_FORMS[dt]['gpus']} GPUs", blocking=False) for dt in sorted(used)]

@@ -48,6 +48,10 @@ class OrtBackend:
         if threads:
             opts.intra_op_num_threads = threads
         opts.log_severity_level = 3
+        # ORT fuses the onnx lowering's blocked DequantizeLinear + MatMul into MatMulNBits and then computes
+        # with int8 activations (its default accuracy level 4) unless told: keep the export's level.
+        level = (sc.extra.get("quantization") or {}).get("accuracy_level", 0)
+        opts.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", str(level))
         self.session = ort.InferenceSession(str(self.dir / sc.onnx_file), opts, providers=providers)
         self._check_graph()
         self.max_batch = max_batch or sc.max_batch

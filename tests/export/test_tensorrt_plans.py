@@ -92,3 +92,60 @@ def test_buffer_plan_in_place_and_double_buffered(exported):
     assert pairs[0].binds == ("past_key.0", "present_key.0") and pairs[1].binds == ("present_key.0", "past_key.0")
     logits = next(b for b in inplace if b.name == "logits")
     assert logits.bytes == 3 * cfg.vocab_size * 4
+
+
+@pytest.mark.parametrize("lowering,scheme,reason", [
+    ("onnx", "int8", "DequantizeLinear of UINT8 weights with zero points"),
+    ("onnx", "int4", "DequantizeLinear of UINT4 weights with zero points"),
+    ("ort", "int4", "com.microsoft::MatMulNBits is a plugin node: ONNX Runtime's contrib op"),
+])
+def test_check_refuses_kvedge_quantized_exports(lowering, scheme, reason, exported):
+    """kvedge quantizes asymmetrically (unsigned integers, zero points): TensorRT is symmetric only, and
+    MatMulNBits is ONNX Runtime's. No version builds these graphs, and check says why."""
+    out, _ = exported("llama-gqa4-llama3rope", lowering, quantize=scheme, allow_degraded=True)
+    for version in VERSIONS:
+        rep = check(out / "model.onnx", version)
+        assert not rep.buildable
+        assert [f.message for f in rep.findings if reason in f.message and f.blocking], (version, rep.findings)
+    if lowering == "onnx":  # one finding for the 4 projections x 2 layers, not one per node
+        assert any(f.message.endswith("(8 nodes)") for f in check(out / "model.onnx", "10.15").findings)
+
+
+def _weight_only_graph(path, np_dtype, block: int, zero: int | None = None):
+    """x [1, 256] @ DequantizeLinear(W [256 (K), 64 (N)], scales [256 / block, 64], axis 0): the form TensorRT's
+    weight-only path parses (signed integers; a zero point only if given)."""
+    import numpy as np
+    from onnx import TensorProto, helper, numpy_helper, save
+
+    w = np.arange(256 * 64).reshape(256, 64) % 15 - 7
+    inits = [numpy_helper.from_array(w.astype(np_dtype), "w"),
+             numpy_helper.from_array(np.full((256 // block, 64), 0.01, np.float32), "s")]
+    if zero is not None:
+        inits.append(numpy_helper.from_array(np.full((256 // block, 64), zero).astype(np_dtype), "z"))
+    nodes = [helper.make_node("DequantizeLinear", [t.name for t in inits], ["wf"], axis=0, block_size=block),
+             helper.make_node("MatMul", ["x", "wf"], ["y"])]
+    graph = helper.make_graph(nodes, "woq", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 256])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 64])], initializer=inits)
+    save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)]), str(path))
+    return path
+
+
+def test_check_knows_symmetric_weight_only_forms(tmp_path):
+    import ml_dtypes
+    import numpy as np
+
+    int4 = _weight_only_graph(tmp_path / "int4.onnx", ml_dtypes.int4, 128)
+    # INT4 blocked: TensorRT 10.0; the opset-21 DequantizeLinear (block_size) needs a parser reading opset 21
+    assert {v: check(int4, v).buildable for v in ("8.6", "10.3", "10.9", "10.15", "11.0")} == \
+        {"8.6": False, "10.3": False, "10.9": True, "10.15": True, "11.0": True}
+    note = [f for f in check(int4, "10.15").findings if f.kind == "quantization"]
+    assert len(note) == 1 and not note[0].blocking and "Ampere and later" in note[0].message
+    msgs = [f.message for f in check(_weight_only_graph(tmp_path / "g32.onnx", ml_dtypes.int4, 32), "10.15").findings]
+    assert "INT4 block size 32: TensorRT supports 64 or 128 (export --group-size 64 or 128) (1 node)" in msgs
+    zp = _weight_only_graph(tmp_path / "zp.onnx", ml_dtypes.int4, 64, zero=1)
+    assert any("non-zero zero points" in f.message for f in check(zp, "10.15").findings)
+    assert check(_weight_only_graph(tmp_path / "zp0.onnx", ml_dtypes.int4, 64, zero=0), "10.15").buildable
+    int8 = _weight_only_graph(tmp_path / "int8.onnx", np.int8, 128)
+    assert not check(int8, "10.9").buildable and check(int8, "10.15").buildable
+    assert any("blocked INT8 DequantizeLinear needs TensorRT >= 10.15" in f.message
+               for f in check(int8, "10.9").findings)

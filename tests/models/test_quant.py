@@ -54,22 +54,32 @@ def test_layout_matches_onnxruntime_matmulnbits(bits):
     np.testing.assert_allclose(onnxruntime_matmulnbits(x, q, s, z, bits, 32), ref, atol=1e-4)
 
 
-def test_int8_layout_matches_blocked_dequantizelinear_reference():
+@pytest.mark.parametrize("bits", [4, 8])
+def test_layout_matches_blocked_dequantizelinear_reference(bits):
+    """The onnx lowering's initializers (W [K, N], blocks along K; UINT4 two a byte for 4 bits) through
+    onnx.reference's DequantizeLinear: W within half a step, and kvedge's dequantizer exactly."""
     from onnx.reference import ReferenceEvaluator
 
-    q, s, z = quantize(W, 8, 32)
-    node = helper.make_node("DequantizeLinear", ["q", "s", "z"], ["w"], axis=1, block_size=32)
-    graph = helper.make_graph([node], "g", [], [helper.make_tensor_value_info("w", TensorProto.FLOAT, [48, 128])],
-                              initializer=[numpy_helper.from_array(q.reshape(48, 128).numpy(), "q"),
-                                           numpy_helper.from_array(s.reshape(48, 4).numpy(), "s"),
-                                           numpy_helper.from_array(z.reshape(48, 4).numpy(), "z")])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
-    w = ReferenceEvaluator(model).run(None, {})[0]
-    np.testing.assert_allclose(w, dequantize(q, s, z, 8, 128).numpy(), atol=1e-6)
+    from kvedge.export.lowerings.onnx_std import dq_initializers
+
+    q, s, z = quantize(W, bits, 32)
+    w, scale, zero = dq_initializers(q.numpy(), s.numpy(), z.numpy(), bits, 128)
+    tensors = [numpy_helper.from_array(a, n) for a, n in ((w, "q"), (scale, "s"), (zero, "z"))]
+    assert [t.data_type for t in tensors] == [TensorProto.UINT4 if bits == 4 else TensorProto.UINT8,
+                                              TensorProto.FLOAT, tensors[0].data_type]
+    assert list(tensors[0].dims) == [128, 48] and len(tensors[0].raw_data) == 128 * 48 * bits // 8
+    node = helper.make_node("DequantizeLinear", ["q", "s", "z"], ["w"], axis=0, block_size=32)
+    graph = helper.make_graph([node], "g", [], [helper.make_tensor_value_info("w", TensorProto.FLOAT, [128, 48])],
+                              initializer=tensors)
+    got = ReferenceEvaluator(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])).run(None, {})[0]
+    step = s.reshape(48, 4).repeat_interleave(32, dim=1).T.numpy()
+    assert np.all(np.abs(got - W.T.numpy()) <= step / 2 + 1e-6)
+    np.testing.assert_allclose(got, dequantize(q, s, z, bits, 128).numpy().T, atol=1e-6)
 
 
 @pytest.mark.parametrize("lowering,scheme,op", [("ort", "int4", "MatMulNBits"), ("ort", "int8", "MatMulNBits"),
-                                                ("onnx", "int8", "DequantizeLinear")])
+                                                ("onnx", "int8", "DequantizeLinear"),
+                                                ("onnx", "int4", "DequantizeLinear")])
 def test_quantized_export_agrees_with_the_quantized_reference(lowering, scheme, op, hf_checkpoint, tmp_path):
     path, _ = hf_checkpoint("llama-gqa4-llama3rope")
     sc = export(path, tmp_path / "q", ExportOptions(attention=lowering, quantize=scheme, max_seq_len=96,
@@ -84,14 +94,23 @@ def test_quantized_export_agrees_with_the_quantized_reference(lowering, scheme, 
     graph = onnx.load(str(tmp_path / "q" / "model.onnx"))
     assert sum(n.op_type == op for n in graph.graph.node) == 4 * sc.model.num_layers
     assert sc.extra["quantization"]["bits"] == (4 if scheme == "int4" else 8)
+    if lowering == "onnx":  # the saved graph holds the integers and the DequantizeLinear, not folded floats
+        inits = {t.name: t for t in graph.graph.initializer}
+        consumers = {i: n.op_type for n in graph.graph.node for i in n.input}
+        stored = TensorProto.UINT4 if scheme == "int4" else TensorProto.UINT8
+        for node in (n for n in graph.graph.node if n.op_type == "DequantizeLinear"):
+            w = inits[node.input[0]]
+            assert w.data_type == stored and inits[node.input[2]].data_type == stored
+            assert consumers[node.output[0]] == "MatMul" and {a.name: a.i for a in node.attribute}["axis"] == 0
+        weight_shapes = {tuple(inits[n.input[0]].dims) for n in graph.graph.node if n.op_type == "DequantizeLinear"}
+        float_shapes = {tuple(t.dims) for t in graph.graph.initializer if t.data_type == TensorProto.FLOAT}
+        assert not float_shapes & (weight_shapes | {s[::-1] for s in weight_shapes})  # no dequantized copy
 
 
 def test_quantization_refusals(hf_checkpoint, tmp_path):
     path, _ = hf_checkpoint("llama-mha")
     with pytest.raises(KvedgeError, match="'decomposed' lowering cannot export int8 weights"):
         export(path, tmp_path / "a", ExportOptions(attention="decomposed", quantize="int8"))
-    with pytest.raises(KvedgeError, match="INT4 in the standard-ONNX"):
-        export(path, tmp_path / "b", ExportOptions(attention="onnx", quantize="int4"))
 
 
 def test_tied_lm_head_gets_a_quantized_copy_and_the_embedding_stays_fp(hf_checkpoint):

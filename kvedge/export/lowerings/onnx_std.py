@@ -4,6 +4,8 @@ Runs on ONNX Runtime and is meant for TensorRT >= 10.15, whose parser maps `Atte
 attention layer and `TensorScatter` to its KV-cache update. The Attention node gets no
 past_key/past_value inputs (TensorRT's parser rejects them): the cache is written first, then
 attended over with an explicit boolean mask. GQA is native to Attention (K/V carry Hkv heads).
+Quantized linears: blocked DequantizeLinear (UINT8 / UINT4 with zero points) + MatMul, see
+translate_qlinear; ONNX Runtime runs them, TensorRT does not (it is symmetric only).
 """
 
 from __future__ import annotations
@@ -28,19 +30,88 @@ def unsupported(cfg: ModelConfig) -> list[str]:
     return reasons
 
 
+PLACEHOLDER = "kvedge_quant"
+
+
+def _register_placeholder() -> None:
+    """kvedge_quant::BlockedWeight(qweight, scales, zeros) -> W [K, N]: where translate_qlinear leaves the
+    stored integers; `finalize` replaces each by a standard DequantizeLinear over new initializers (the
+    node never reaches a saved graph, so the exporter's optimizer cannot fold the 4-bit weights to float)."""
+    from onnx import defs
+
+    if defs.has("BlockedWeight", PLACEHOLDER):
+        return
+    P, A = defs.OpSchema.FormalParameter, defs.OpSchema.Attribute
+    ints = defs.OpSchema.AttrType.INT
+    defs.register_schema(defs.OpSchema(
+        "BlockedWeight", PLACEHOLDER, 1, inputs=[P("qweight", "U"), P("scales", "T"), P("zeros", "U")],
+        outputs=[P("W", "T")], attributes=[A("bits", ints, "", required=True), A("K", ints, "", required=True)],
+        type_constraints=[("T", ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"], ""),
+                          ("U", ["tensor(uint8)"], "")]))
+
+
+_register_placeholder()
+_placeholder = Opset(PLACEHOLDER, 1)
+
+
 def translate_qlinear(x, qweight, scales, zeros, bits: int, k: int, accuracy_level: int):
-    """kvedge::qlinear -> blocked DequantizeLinear (opset 21+) then MatMul: the form TensorRT's
-    weight-only path parses. INT8 only here (INT4 needs UINT4 initializers; see unsupported_quant)."""
-    n, nb = qweight.shape[0], qweight.shape[1]
-    w_q = op.Reshape(qweight, const([n, k]))
-    w = op24.DequantizeLinear(w_q, op.Reshape(scales, const([n, nb])), op.Reshape(zeros, const([n, nb])),
-                              axis=1, block_size=k // nb)
-    return op.MatMul(x, op.Transpose(w, perm=[1, 0]))
+    """kvedge::qlinear -> blocked DequantizeLinear (opset 21+) then MatMul, laid out as TensorRT's weight-only
+    path takes it: W [K, N] (the MatMul's right-hand side as is, no Transpose), blocks of `group` along K
+    (axis 0). The integers are UINT8 / UINT4 with zero points (kvedge quantizes asymmetrically), which
+    ONNX Runtime runs and TensorRT refuses (signed, zero points all zero; `kvedge check` says so).
+    Emitted as a placeholder node that `finalize` turns into the DequantizeLinear and its initializers."""
+    return op.MatMul(x, _placeholder.BlockedWeight(qweight, scales, zeros, bits=bits, K=k))
+
+
+def dq_initializers(qweight, scales, zeros, bits: int, k: int):
+    """The MatMulNBits layout (kvedge.models.quant) -> numpy (W [K, N], scale [K / group, N], zero point
+    [K / group, N]) for DequantizeLinear(axis=0, block_size=group): uint8, or ml_dtypes.uint4 for 4 bits,
+    which onnx.numpy_helper stores as ONNX UINT4, two a byte, the lower index in the low nibble."""
+    import ml_dtypes
+    import numpy as np
+
+    q, z = np.asarray(qweight, dtype=np.uint8), np.asarray(zeros, dtype=np.uint8)
+    n, nb = q.shape[0], q.shape[1]
+    if bits == 4:
+        q = np.stack((q & 0x0F, q >> 4), axis=-1).reshape(n, -1)[:, :k]
+        z = np.stack((z & 0x0F, z >> 4), axis=-1).reshape(n, -1)[:, :nb]
+    dtype = ml_dtypes.uint4 if bits == 4 else np.uint8
+    return (np.ascontiguousarray(q.reshape(n, k).T).astype(dtype), np.asarray(scales).reshape(n, nb).T.copy(),
+            np.ascontiguousarray(z.reshape(n, nb).T).astype(dtype))
+
+
+def finalize(proto) -> None:
+    """Replace each BlockedWeight placeholder by DequantizeLinear over UINT8 / UINT4 initializers."""
+    from onnx import helper, numpy_helper
+
+    from kvedge.errors import KvedgeError
+
+    graph = proto.graph
+    inits = {t.name: t for t in graph.initializer}
+    for i, node in enumerate(list(graph.node)):  # one node replaced in place at a time
+        if node.domain != PLACEHOLDER:
+            continue
+        missing = [name for name in node.input if name not in inits]
+        if missing:
+            raise KvedgeError(f"quantized linear {node.name!r}: {missing} are not initializers; the onnx "
+                              "lowering needs constant weights to write its DequantizeLinear")
+        attrs = {a.name: a.i for a in node.attribute}
+        w, s, z = dq_initializers(*(numpy_helper.to_array(inits[name]) for name in node.input), attrs["bits"],
+                                  attrs["K"])
+        names = [f"{node.input[0]}.dq_{part}" for part in ("w", "scale", "zero")]
+        graph.initializer.extend(numpy_helper.from_array(a, name) for a, name in zip((w, s, z), names))
+        graph.node.remove(node)
+        graph.node.insert(i, helper.make_node("DequantizeLinear", names, list(node.output), name=node.name,
+                                              axis=0, block_size=attrs["K"] // s.shape[0]))
+    for op_set in [o for o in proto.opset_import if o.domain == PLACEHOLDER]:
+        proto.opset_import.remove(op_set)
+    used = {name for n in graph.node for name in n.input}
+    for t in [t for t in graph.initializer if t.name not in used]:
+        graph.initializer.remove(t)
 
 
 def unsupported_quant(bits: int) -> list[str]:
-    return [] if bits == 8 else ["INT4 in the standard-ONNX (DequantizeLinear) form is not written yet; "
-                                 "use --attention ort (MatMulNBits) for INT4"]
+    return []
 
 
 def translate(q, k, v, k_cache, v_cache, positions, scale: float, window: int, softcap: float, cos=None, sin=None):
