@@ -6,7 +6,8 @@ Figures (bytes, each stated separately):
   --quantize-lm-head) as stored in the MatMulNBits layout (kvedge.models.quant): per output row, bits / 8
   bytes a weight, one scale (dtype bytes) and one zero point (bits, rounded up to whole bytes per row) a
   group; embeddings, norms and biases stay in dtype;
-- KV cache: 2 * layers * kv_heads * head_dim * kv bytes, per token, times context and batch;
+- KV cache: 2 * layers * kv_heads * head_dim * kv bytes, per token, times context and batch (int8: 1
+  byte, plus its float32 scales once, 2 * layers * kv_heads * head_dim * 4 bytes);
 - activations: the largest transient of one forward over a prefill chunk of `chunk` tokens:
   batch * chunk * (4 * hidden + 2 * intermediate + q_heads * context) * compute bytes, plus the
   logits of one position, batch * vocab * 4 (an estimate, not a measurement);
@@ -18,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvedge.errors import KvedgeError
-from kvedge.models.cache import dtype_bytes, kv_bytes_per_token, mla_bytes_per_token
+from kvedge.models.cache import dtype_bytes, kv_bytes_per_token, kv_scale_bytes, mla_bytes_per_token
 from kvedge.models.config import ModelConfig
 
 GiB = 1024**3
@@ -146,13 +147,14 @@ def plan(cfg: ModelConfig, seq_len: int, batch: int = 1, dtype: str = "fp16", kv
         usable = int(memory_gb * GiB)
     weights = weight_bytes(cfg, dtype, quantize, group, quantize_lm_head)
     per_token = kv_bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, kv_dtype)
+    scales = kv_scale_bytes(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, kv_dtype)  # int8: fixed, like weights
     act = activation_bytes(cfg, seq_len, batch, chunk, dtype)
     max_ctx = max_b = mem_ctx = None
     if usable is not None:
-        mem_ctx = _largest(lambda n: weights + per_token * n * batch + activation_bytes(cfg, n, batch, chunk, dtype)
+        mem_ctx = _largest(lambda n: weights + scales + per_token * n * batch + activation_bytes(cfg, n, batch, chunk, dtype)
                            <= usable, 1 << 24)
         max_ctx = min(mem_ctx, cfg.max_position_embeddings)
-        max_b = _largest(lambda b: weights + per_token * seq_len * b + activation_bytes(cfg, seq_len, b, chunk, dtype)
+        max_b = _largest(lambda b: weights + scales + per_token * seq_len * b + activation_bytes(cfg, seq_len, b, chunk, dtype)
                          <= usable, 1 << 16)
     d = cfg.head_dim
     kv_by = {
@@ -161,7 +163,7 @@ def plan(cfg: ModelConfig, seq_len: int, batch: int = 1, dtype: str = "fp16", kv
         "MQA": kv_bytes_per_token(cfg.num_layers, 1, d, kv_dtype),
         "MLA (d_c = 4 head_dim, d_rope = head_dim / 2)": mla_bytes_per_token(cfg.num_layers, 4 * d, d // 2, kv_dtype),
     }
-    return Plan(weights, per_token * seq_len * batch, act, usable, max_ctx, max_b, mem_ctx, kv_by)
+    return Plan(weights, per_token * seq_len * batch + scales, act, usable, max_ctx, max_b, mem_ctx, kv_by)
 
 
 def _largest(fits, hi: int) -> int:

@@ -5,7 +5,8 @@ Every lowering's graph has the same inputs and outputs:
     input_ids       [batch, seq]                               int64
     position_ids    [batch, seq]                               int64  absolute, contiguous per row
     logits_index    [batch]                                    int64  which chunk position's logits to return
-    past_key.{i}    [batch, kv_heads, max_seq_len, head_dim]   cache dtype   (one pair per layer)
+    past_key.{i}    [batch, kv_heads, max_seq_len, head_dim]   cache dtype   (one pair per layer; int8: the
+                                                               graph holds the scales, sidecar "cache")
     past_value.{i}  [batch, kv_heads, max_seq_len, head_dim]
   ->
     logits          [batch, 1, vocab]                          float32 or the model dtype
@@ -42,9 +43,12 @@ def output_names(num_layers: int) -> list[str]:
     return ["logits"] + [f"present_{kind}.{i}" for i in range(num_layers) for kind in ("key", "value")]
 
 
-def io_spec(cfg: ModelConfig, dtype: str, max_seq_len: int, logits_dtype: str) -> tuple[list, list]:
-    """(inputs, outputs) as [{"name", "dtype", "shape"}], dynamic axes named 'batch' and 'seq'."""
-    cache = {"dtype": ONNX_DTYPES[dtype], "shape": ["batch", cfg.num_kv_heads, max_seq_len, cfg.head_dim]}
+def io_spec(cfg: ModelConfig, dtype: str, max_seq_len: int, logits_dtype: str,
+            kv_dtype: str | None = None) -> tuple[list, list]:
+    """(inputs, outputs) as [{"name", "dtype", "shape"}], dynamic axes named 'batch' and 'seq'. The cache has
+    the model's dtype, or kv_dtype "int8"."""
+    cache = {"dtype": "int8" if kv_dtype == "int8" else ONNX_DTYPES[dtype],
+             "shape": ["batch", cfg.num_kv_heads, max_seq_len, cfg.head_dim]}
     inputs = [
         {"name": "input_ids", "dtype": "int64", "shape": ["batch", "seq"]},
         {"name": "position_ids", "dtype": "int64", "shape": ["batch", "seq"]},
@@ -81,13 +85,20 @@ class Sidecar:
     kvedge_version: str = __version__
     format: int = FORMAT
     extra: dict[str, Any] = field(default_factory=dict)
+    cache: dict[str, Any] = field(default_factory=dict)  # the cache's dtype and, for int8, its scales
+
+    @property
+    def cache_dtype(self) -> str:
+        """The past/present tensors' dtype as the graph declares it ("float32", "float16", "int8", ...)."""
+        return self.inputs[3]["dtype"]
 
     def to_json(self) -> dict[str, Any]:
         return {
             "format": self.format, "kvedge_version": self.kvedge_version, "lowering": self.lowering,
             "dtype": self.dtype, "opset": self.opset, "max_seq_len": self.max_seq_len,
             "max_batch": self.max_batch, "onnx_file": self.onnx_file, "external_data": self.external_data,
-            "cache": {"layout": "[batch, kv_heads, max_seq_len, head_dim]", "present_aliases_past": True},
+            "cache": {"layout": "[batch, kv_heads, max_seq_len, head_dim]", "present_aliases_past": True,
+                      **self.cache},
             "inputs": self.inputs, "outputs": self.outputs, "verification": self.verification,
             "model": self.model.to_dict(), **self.extra,
         }
@@ -124,4 +135,5 @@ class Sidecar:
                    inputs=d["inputs"], outputs=d["outputs"], onnx_file=d["onnx_file"],
                    external_data=d.get("external_data"), verification=d.get("verification"),
                    kvedge_version=d["kvedge_version"], format=d["format"],
-                   extra={k: v for k, v in d.items() if k not in known})
+                   extra={k: v for k, v in d.items() if k not in known},
+                   cache={k: v for k, v in d.get("cache", {}).items() if k not in ("layout", "present_aliases_past")})

@@ -29,6 +29,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "generation_config.json", "chat_template.jinja", "chat_template.json")
 EXTERNAL_DATA_THRESHOLD = 2 * 1024**3  # protobuf's hard limit for one file
 DTYPES = ("fp32", "fp16", "bf16")
+KV_DTYPES = DTYPES + ("int8",)
 QUANT_BITS = {"int8": 8, "int4": 4}
 QUANT_METHODS = {"rtn": "round-to-nearest", "gptq": "GPTQ"}
 CALIBRATION_ROW = 256  # tokens per calibration sequence (at most the model's positions)
@@ -53,6 +54,7 @@ class ExportOptions:
     quantize_lm_head: bool = False
     allow_degraded: bool = False  # a quantized export below its top-1 threshold is written anyway
     accuracy_level: int = 0  # MatMulNBits compute: 0 as the weights' dtype allows, 4 int8 activations (faster)
+    kv_dtype: str | None = None  # None: the cache has --dtype; "int8": per-channel scales calibrated on the text
 
 
 class _Progress:
@@ -72,6 +74,17 @@ def _check_options(model_dir: Path, out_dir: Path, o: ExportOptions, cfg) -> Non
     if reasons:
         raise KvedgeError(f"the {low.NAME!r} lowering cannot express this {cfg.arch} model: {'; '.join(reasons)}. "
                           f"Use --attention decomposed (or ort)")
+    if o.kv_dtype is not None:
+        if o.kv_dtype not in KV_DTYPES:
+            raise KvedgeError(f"--kv-dtype {o.kv_dtype!r}: expected one of {', '.join(KV_DTYPES)}")
+        if o.kv_dtype not in (o.dtype, "int8"):
+            raise KvedgeError(f"--kv-dtype {o.kv_dtype} with --dtype {o.dtype}: a float cache has the model's dtype "
+                              f"(export with --dtype {o.kv_dtype}), or use --kv-dtype int8")
+        reasons = lowerings.kv_cache_refusals(low, o.kv_dtype)
+        if reasons:
+            raise KvedgeError(f"the {low.NAME!r} lowering cannot export an {o.kv_dtype} KV cache: {'; '.join(reasons)}")
+    if (o.quantize or o.kv_dtype == "int8") and o.calibration_text is not None and not Path(o.calibration_text).is_file():
+        raise KvedgeError(f"--calibration-text {o.calibration_text}: no such file")
     if o.max_seq_len < 2 or o.max_batch < 1:
         raise KvedgeError(f"--max-seq-len must be >= 2 and --max-batch >= 1, got {o.max_seq_len}, {o.max_batch}")
     if cfg.positions == "learned" and o.max_seq_len > cfg.max_position_embeddings:
@@ -89,8 +102,6 @@ def _check_options(model_dir: Path, out_dir: Path, o: ExportOptions, cfg) -> Non
             raise KvedgeError(f"--method {o.quant_method!r}: expected {' or '.join(QUANT_METHODS)}")
         if o.calibration_tokens < 2:
             raise KvedgeError(f"--calibration-tokens {o.calibration_tokens}: expected at least 2")
-        if o.calibration_text is not None and not Path(o.calibration_text).is_file():
-            raise KvedgeError(f"--calibration-text {o.calibration_text}: no such file")
     if out_dir.exists() and any(out_dir.iterdir()) and not o.force:
         raise KvedgeError(f"{out_dir} exists and is not empty; pass --force to overwrite it")
     if out_dir.resolve() == model_dir.resolve():
@@ -145,6 +156,25 @@ def _quantize(decoder: Decoder, model_dir: Path, o: ExportOptions, say: Callable
     return record, (rows, text)
 
 
+def _calibrate_kv(decoder: Decoder, model_dir: Path, o: ExportOptions, text, say: Callable[[str], None]):
+    """The int8 cache's per-layer scales, calibrated on the text rows (those of the weight quantization if
+    any, else calibration_rows), and the sidecar's "cache" record; returns (scales, record, text)."""
+    from kvedge.models.cache import KV_SCALE_MARGIN, calibrate_kv_scales
+
+    rows, what = text or calibration_rows(model_dir, decoder.cfg, o.calibration_text, o.calibration_tokens)
+    say(f"int8 KV cache: calibrating per-channel scales on {what['tokens']} tokens of the {what['text']} text")
+    scales = calibrate_kv_scales(decoder, rows)
+    n = decoder.cfg.num_layers
+    record = {"dtype": "int8", "quantization": {
+        "scheme": "symmetric int8 per layer, KV head and channel (GroupQueryAttention PER_CHANNEL)",
+        "write": "q = clamp(round_half_even(x * (1 / scale)), -128, 127), k after RoPE",
+        "read": "q * scale", "scales": {"where": "model.onnx initializers", "dtype": "float32",
+                                        "shape": [1, decoder.cfg.num_kv_heads, 1, decoder.cfg.head_dim],
+                                        "k": [f"k_scale_{i}" for i in range(n)], "v": [f"v_scale_{i}" for i in range(n)]},
+        "calibration": {**what, "margin": KV_SCALE_MARGIN, "statistic": "max |x| over the text"}}}
+    return scales, record, (rows, what)
+
+
 def _quiet_export(fn):
     """torch.onnx prints its own progress and warnings; kvedge reports its own steps instead."""
     sink = io.StringIO()
@@ -158,13 +188,14 @@ def _quiet_export(fn):
             logging.getLogger("torch").setLevel(level)
 
 
-def to_onnx(decoder: Decoder, lowering: str, max_seq_len: int):
-    """Trace the Decoder into an onnx ModelProto with the chosen attention lowering (names per contract)."""
+def to_onnx(decoder: Decoder, lowering: str, max_seq_len: int, kv_scales=None):
+    """Trace the Decoder into an onnx ModelProto with the chosen attention lowering (names per contract).
+    kv_scales (k_scales, v_scales): an int8 cache with these per-layer scales (initializers of the graph)."""
     low = lowerings.get(lowering)
     cfg = decoder.cfg
-    dtype = next(decoder.parameters()).dtype
+    dtype = torch.int8 if kv_scales is not None else next(decoder.parameters()).dtype
     b, l = 2, 3  # example sizes; both axes are dynamic
-    cache = KVCache.allocate(cfg, b, max_seq_len, dtype=dtype)
+    cache = KVCache.allocate(cfg, b, max_seq_len, dtype=dtype, scales=kv_scales)
     past = [t for kv in zip(cache.keys, cache.values) for t in kv]
     args = (torch.zeros(b, l, dtype=torch.long), torch.arange(l).expand(b, l).contiguous(),
             torch.full((b,), l - 1), *past)
@@ -178,7 +209,7 @@ def to_onnx(decoder: Decoder, lowering: str, max_seq_len: int):
 
         table[torch.ops.kvedge.qlinear.default] = low.translate_qlinear
     program = _quiet_export(lambda: torch.onnx.export(
-        ExportGraph(decoder).eval(), args, dynamo=True, dynamic_shapes=dynamic,
+        ExportGraph(decoder, kv_scales).eval(), args, dynamo=True, dynamic_shapes=dynamic,
         input_names=input_names(cfg.num_layers), output_names=output_names(cfg.num_layers),
         custom_translation_table=table,
         opset_version=max(low.OPSET, 18), optimize=True, verbose=False))
@@ -292,8 +323,12 @@ def export(model_dir: str | Path, out_dir: str | Path, options: ExportOptions | 
     quant, text = _quantize(decoder, model_dir, o, say) if o.quantize else (None, None)
     if pre is not None:  # AWQ / GPTQ checkpoint: the loader already made its QuantLinears
         quant = _prequantized_record(decoder, o, say)
-    say(f"tracing to ONNX: lowering {low.NAME!r}, opset {low.OPSET}, {o.dtype}, max_seq_len {o.max_seq_len}")
-    proto = to_onnx(decoder, low.NAME, o.max_seq_len)
+    kv_scales, cache_record = None, {}
+    if o.kv_dtype == "int8":
+        kv_scales, cache_record, text = _calibrate_kv(decoder, model_dir, o, text, say)
+    say(f"tracing to ONNX: lowering {low.NAME!r}, opset {low.OPSET}, {o.dtype}, max_seq_len {o.max_seq_len}"
+        + (", int8 KV cache" if kv_scales is not None else ""))
+    proto = to_onnx(decoder, low.NAME, o.max_seq_len, kv_scales)
     onnx_path = out_dir / "model.onnx"
     tmp_path = out_dir / ".model.onnx.partial"
     say(f"writing {onnx_path} ({len(proto.graph.node)} nodes)")
@@ -307,10 +342,11 @@ def export(model_dir: str | Path, out_dir: str | Path, options: ExportOptions | 
             shutil.copy2(model_dir / name, out_dir / name)
 
     logits_dtype = "float32" if o.dtype == "fp32" else {"fp16": "float16", "bf16": "bfloat16"}[o.dtype]
-    inputs, outputs = io_spec(cfg, o.dtype, o.max_seq_len, logits_dtype)
+    inputs, outputs = io_spec(cfg, o.dtype, o.max_seq_len, logits_dtype, o.kv_dtype)
     sidecar = Sidecar(model=cfg, lowering=low.NAME, dtype=o.dtype, opset=low.OPSET, max_seq_len=o.max_seq_len,
                       max_batch=o.max_batch, inputs=inputs, outputs=outputs, external_data=external,
-                      extra={"source_checkpoint": str(model_dir.resolve()), "quantization": quant})
+                      extra={"source_checkpoint": str(model_dir.resolve()), "quantization": quant},
+                      cache=cache_record or {"dtype": inputs[3]["dtype"]})
     if o.verify and not getattr(low, "RUNS_ON_ONNXRUNTIME", True):
         sidecar.verification = {"passed": True, "skipped": f"the {low.NAME!r} lowering runs only inside TensorRT "
                                 "(its plugin); verify it on the device with `kvedge parity --backend tensorrt`",
@@ -327,7 +363,7 @@ def export(model_dir: str | Path, out_dir: str | Path, options: ExportOptions | 
         if tolerance is None and quant and o.accuracy_level:
             tolerance = (None, 0.999)  # int8 activations: compared by cosine only
         report = verify(decoder, out_dir, sidecar, o.verify_prompt_len, o.verify_steps, tolerance=tolerance,
-                        fp_reference=reference, allow_degraded=o.allow_degraded, text=text)
+                        fp_reference=reference, allow_degraded=o.allow_degraded, text=text, kv_scales=kv_scales)
         sidecar.verification = report
         say(f"max abs {report['max_abs_error']:.2e}, cosine {report['min_cosine']:.6f}, "
             f"greedy agreement {report['greedy_agreement']:.0%}" + ("" if report["passed"] else "  FAILED"))
@@ -337,6 +373,11 @@ def export(model_dir: str | Path, out_dir: str | Path, options: ExportOptions | 
                 f"(random prompt); on {t['tokens']} tokens of the {t['text']} text: top-1 {t['top1_agreement']:.0%}, "
                 f"mean cosine {t['mean_cosine']:.4f}, perplexity {t['reference_perplexity']:.3f} -> "
                 f"{t['perplexity']:.3f}")
+        if "vs_fp_cache" in report:
+            v, t = report["vs_fp_cache"], report["vs_fp_cache"]["on_text"]
+            say(f"int8 KV cache against a float cache: top-1 {v['top1_agreement']:.0%}, min cosine "
+                f"{v['min_cosine']:.4f} (random prompt); on the text: top-1 {t['top1_agreement']:.0%}, perplexity "
+                f"{t['reference_perplexity']:.3f} -> {t['perplexity']:.3f}")
         if not report["passed"]:
             raise KvedgeError(f"verification failed: {report['reason']}; no {SIDECAR} was written")
     path = sidecar.write(out_dir)

@@ -4,6 +4,8 @@ A prompt, then N greedy decode steps (the tokens PyTorch chooses are fed to both
 bound in place exactly as the runtime binds them. Reports max abs logit error, the lowest cosine and
 the greedy-token agreement; tolerances depend on the dtype. A quantized export is also compared with
 the unquantized model (top-1 agreement, cosine) and both models' perplexity on a text is reported.
+An int8-cache export is compared with the same model over an int8 cache with the same scales (tightly:
+both implement one quantization), and also with the model over a float cache ("vs_fp_cache").
 """
 
 from __future__ import annotations
@@ -29,11 +31,18 @@ def _cos(a: torch.Tensor, b: torch.Tensor) -> float:
 
 # Quantized exports are also compared with the unquantized model: top-1 agreement per scheme.
 QUANT_TOP1 = {"int8": 0.95, "int4": 0.85}
+KV_TOP1 = {"int8": 0.90}  # an int8 KV cache against a float one (same weights)
 
 
-def _text_logits(decoder: Decoder, row: torch.Tensor) -> torch.Tensor:
+def _cache(decoder: Decoder, length: int, kv_scales=None) -> KVCache:
+    """A batch-1 cache for `decoder`: float (its dtype), or int8 with kv_scales."""
+    dtype = decoder.embed.weight.dtype if kv_scales is None else torch.int8
+    return KVCache.allocate(decoder.cfg, 1, length, dtype=dtype, scales=kv_scales)
+
+
+def _text_logits(decoder: Decoder, row: torch.Tensor, kv_scales=None) -> torch.Tensor:
     """Teacher-forced logits [L - 1, vocab] (float64) predicting row[1:], from position 0."""
-    cache = KVCache.allocate(decoder.cfg, 1, row.numel(), dtype=decoder.embed.weight.dtype)
+    cache = _cache(decoder, row.numel(), kv_scales)
     return decoder(row[None], torch.arange(row.numel())[None], cache.for_batch(1))[0, :-1].double()
 
 
@@ -49,12 +58,13 @@ def perplexity(decoder: Decoder, rows: torch.Tensor) -> float:
 
 
 @torch.inference_mode()
-def compare_on_text(decoder: Decoder, reference: Decoder, rows: torch.Tensor) -> dict:
+def compare_on_text(decoder: Decoder, reference: Decoder, rows: torch.Tensor, kv_scales=None) -> dict:
     """Both models teacher-forced on token rows [R, L]: their perplexities, and per predicted position the
-    top-1 agreement and the logits' mean cosine of `decoder` against `reference`."""
+    top-1 agreement and the logits' mean cosine of `decoder` (over an int8 cache with kv_scales if given)
+    against `reference` (over a float cache)."""
     nll, ref_nll, agree, cos = 0.0, 0.0, 0, 0.0
     for row in rows:
-        got, ref = _text_logits(decoder, row), _text_logits(reference, row)
+        got, ref = _text_logits(decoder, row, kv_scales), _text_logits(reference, row)
         nll, ref_nll = nll + _nll(got, row), ref_nll + _nll(ref, row)
         agree += int((got.argmax(-1) == ref.argmax(-1)).sum())
         cos += torch.nn.functional.cosine_similarity(got, ref, dim=-1).sum().item()
@@ -67,9 +77,10 @@ def compare_on_text(decoder: Decoder, reference: Decoder, rows: torch.Tensor) ->
 def verify(decoder: Decoder, out_dir: str | Path, sidecar: Sidecar, prompt_len: int = 16, steps: int = 16,
            seed: int = 0, tolerance: tuple[float | None, float] | None = None,
            fp_reference: Decoder | None = None, allow_degraded: bool = False,
-           text: tuple[torch.Tensor, dict] | None = None) -> dict:
+           text: tuple[torch.Tensor, dict] | None = None, kv_scales=None) -> dict:
     """`text`: (token rows [R, L], what they are) on which a quantized export is also compared with the
-    unquantized model (PyTorch both; the quantized one is the graph within the tolerance above)."""
+    unquantized model (PyTorch both; the quantized one is the graph within the tolerance above).
+    kv_scales: the int8 cache's per-layer (k, v) scales; the reference then runs over an int8 cache too."""
     from kvedge.runtime.ort_backend import OrtBackend
 
     if sidecar.dtype == "bf16":
@@ -79,14 +90,19 @@ def verify(decoder: Decoder, out_dir: str | Path, sidecar: Sidecar, prompt_len: 
     cfg = decoder.cfg
     prompt_len = max(1, min(prompt_len, sidecar.max_seq_len - steps))
     backend = OrtBackend(out_dir, sidecar=sidecar, max_batch=1)
-    cache = KVCache.allocate(cfg, 1, sidecar.max_seq_len, dtype=backend.dtype)
+    cache = _cache(decoder, sidecar.max_seq_len, kv_scales)
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, cfg.vocab_size, (1, prompt_len), generator=g)
     pos = torch.arange(prompt_len)[None]
     last = torch.tensor([prompt_len - 1])
     errs, coss, agree, scale = [], [], [], 1.0
-    fp_cache = KVCache.allocate(cfg, 1, sidecar.max_seq_len, dtype=backend.dtype) if fp_reference else None
-    fp_agree, fp_cos = [], []
+    others = {}  # report key -> (model, float cache, scheme, top-1 thresholds): compared with the graph too
+    if fp_reference is not None:  # the unquantized model, fed the same tokens
+        scheme = (sidecar.extra.get("quantization") or {}).get("scheme", "int8")
+        others["vs_unquantized"] = (fp_reference, _cache(fp_reference, sidecar.max_seq_len), scheme, QUANT_TOP1)
+    if kv_scales is not None:  # the same model over a float cache
+        others["vs_fp_cache"] = (decoder, _cache(decoder, sidecar.max_seq_len), "int8", KV_TOP1)
+    seen = {name: ([], []) for name in others}  # top-1 agreements, cosines
     for step in range(steps + 1):
         ref = decoder(ids, pos, cache.for_batch(1), logit_index=last).float()
         got = backend.forward(ids, pos, last).float()
@@ -94,10 +110,10 @@ def verify(decoder: Decoder, out_dir: str | Path, sidecar: Sidecar, prompt_len: 
         scale = max(scale, ref.abs().max().item())
         coss.append(_cos(ref, got))
         agree.append(bool(ref[0, -1].argmax() == got[0, -1].argmax()))
-        if fp_reference is not None:  # the unquantized model, fed the same tokens
-            fp = fp_reference(ids, pos, fp_cache.for_batch(1), logit_index=last).float()
-            fp_agree.append(bool(fp[0, -1].argmax() == got[0, -1].argmax()))
-            fp_cos.append(_cos(fp, got))
+        for name, (model, fp_cache, _, _) in others.items():
+            fp = model(ids, pos, fp_cache.for_batch(1), logit_index=last).float()
+            seen[name][0].append(bool(fp[0, -1].argmax() == got[0, -1].argmax()))
+            seen[name][1].append(_cos(fp, got))
         ids = ref[:, -1].argmax(-1, keepdim=True)  # teacher-forced on PyTorch's greedy choice
         pos = torch.tensor([[prompt_len + step]])
         last = torch.tensor([0])
@@ -109,17 +125,17 @@ def verify(decoder: Decoder, out_dir: str | Path, sidecar: Sidecar, prompt_len: 
     if not min_cos >= tol_cos:
         reasons.append(f"cosine {min_cos:.6f} < {tol_cos}")
     quant = {}
-    if fp_reference is not None:
-        scheme = (sidecar.extra.get("quantization") or {}).get("scheme", "int8")
-        top1 = sum(fp_agree) / len(fp_agree)
-        quant = {"vs_unquantized": {"top1_agreement": top1, "min_cosine": min(fp_cos),
-                                    "threshold_top1": QUANT_TOP1[scheme]}}
+    for name, (model, _, scheme, thresholds) in others.items():
+        agree_fp, cos_fp = seen[name]
+        top1 = sum(agree_fp) / len(agree_fp)
+        quant[name] = {"top1_agreement": top1, "min_cosine": min(cos_fp), "threshold_top1": thresholds[scheme]}
         if text is not None:  # teacher-forced on the text: perplexity, top-1, cosine
             rows, what = text
-            quant["vs_unquantized"]["on_text"] = {**compare_on_text(decoder, fp_reference, rows), **what}
-        if top1 < QUANT_TOP1[scheme] and not allow_degraded:
-            reasons.append(f"{scheme} top-1 agreement with the unquantized model {top1:.0%} < "
-                           f"{QUANT_TOP1[scheme]:.0%} (pass --allow-degraded to keep it)")
+            quant[name]["on_text"] = {**compare_on_text(decoder, model, rows, kv_scales), **what}
+        if top1 < thresholds[scheme] and not allow_degraded:
+            against = "the unquantized model" if name == "vs_unquantized" else "a float KV cache"
+            reasons.append(f"{scheme} top-1 agreement with {against} {top1:.0%} < "
+                           f"{thresholds[scheme]:.0%} (pass --allow-degraded to keep it)")
     return {**quant, "passed": not reasons, "reason": "; ".join(reasons), "prompt_len": prompt_len, "steps": steps,
             "max_abs_error": max_abs, "max_abs_logit": scale, "min_cosine": min_cos, "greedy_agreement": sum(agree) / len(agree),
             "tolerance": {"max_abs": tol_abs, "min_cosine": tol_cos}, "provider": "CPUExecutionProvider"}

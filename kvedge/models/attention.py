@@ -14,6 +14,11 @@
   For a block of L queries against S = p0 + L keys this is the causal mask aligned right
   (query i sees keys <= S - L + i), never a square L x L mask.
 - GQA: query head h reads KV head h // (Hq / Hkv). K/V are never repeated to Hq heads.
+- An int8 cache comes with k_scale, v_scale (float32, broadcastable to the cache: [1, Hkv, 1, D] per
+  channel, calibrated per layer): the new k (after RoPE) and v are quantized on write, symmetric,
+  round(x * (1 / scale)) half to even, clamped to [-128, 127], and attention reads the dequantized
+  cache (int8 * scale), new tokens included. This is ONNX Runtime's GroupQueryAttention CPU kernel
+  bit for bit (tests/models/test_kv_int8.py).
 - Softmax runs over the key axis, in float32, after masking (masked scores are -inf, not zeroed
   probabilities), and after the optional softcap tanh(s / c) * c.
 
@@ -33,6 +38,15 @@ def write_cache(cache: torch.Tensor, new: torch.Tensor, positions: torch.Tensor)
     b, h, l, d = new.shape
     index = positions[:, None, :, None].expand(b, h, l, d)
     cache.scatter_(2, index, new)
+
+
+def quantize_kv(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """float -> int8 cache entries: round-half-even(x * (1 / scale)) clamped to [-128, 127], in float32."""
+    return torch.round(x.float() * torch.reciprocal(scale)).clamp_(-128, 127).to(torch.int8)
+
+
+def dequantize_kv(cache: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return (cache.float() * scale).to(dtype)
 
 
 def visible(positions: torch.Tensor, kv_len: int, window: int | None) -> torch.Tensor:
@@ -57,18 +71,24 @@ def attention(
     window: int | None = None,
     softcap: float | None = None,
     rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Rotate q, k (if rope), write k, v into the caches at `positions`, then attend q over the cache.
-    Returns [B, Hq, L, D]."""
+    """Rotate q, k (if rope), write k, v into the caches at `positions` (quantized with k_scale, v_scale
+    for an int8 cache), then attend q over the cache. Returns [B, Hq, L, D]."""
     if rope is not None:
         q, k = apply_rope(q, *rope, positions), apply_rope(k, *rope, positions)
+    if k_scale is not None:
+        k, v = quantize_kv(k, k_scale), quantize_kv(v, v_scale)
     write_cache(k_cache, k, positions)
     write_cache(v_cache, v, positions)
     b, hq, l, d = q.shape
     hkv = k_cache.shape[1]
     kv_len = int(positions.max()) + 1  # slots past every row's last position are never visible
-    keys = k_cache[:, :, :kv_len].unsqueeze(2)  # [B, Hkv, 1, S, D]: shared by the group, not copied
-    values = v_cache[:, :, :kv_len].unsqueeze(2)
+    keys, values = k_cache[:, :, :kv_len], v_cache[:, :, :kv_len]
+    if k_scale is not None:
+        keys, values = dequantize_kv(keys, k_scale, q.dtype), dequantize_kv(values, v_scale, q.dtype)
+    keys, values = keys.unsqueeze(2), values.unsqueeze(2)  # [B, Hkv, 1, S, D]: shared by the group, not copied
     qg = q.view(b, hkv, hq // hkv, l, d)  # [B, Hkv, G, L, D]
     scores = torch.matmul(qg, keys.transpose(-1, -2)).float() * scale  # [B, Hkv, G, L, S]
     if softcap is not None:

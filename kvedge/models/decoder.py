@@ -68,7 +68,8 @@ class Block(nn.Module):
         self.down = nn.Linear(cfg.intermediate_size, h, bias=cfg.mlp_bias)
         self.act = _ACT[cfg.act]
 
-    def forward(self, x, positions, rope_tables, k_cache, v_cache, attention_op):
+    def forward(self, x, positions, rope_tables, k_cache, v_cache, attention_op, kv_scales=()):
+        """kv_scales: (k_scale, v_scale) of an int8 cache, passed on to the attention op; () otherwise."""
         cfg = self.cfg
         b, l, _ = x.shape
         hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -79,8 +80,9 @@ class Block(nn.Module):
         v = v.view(b, l, hkv, d).transpose(1, 2)
         if cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
+        quant = dict(zip(("k_scale", "v_scale"), kv_scales))  # only an int8 cache's op gets them
         a = attention_op(q, k, v, k_cache, v_cache, positions, scale=cfg.attn_scale, window=self.window,
-                         softcap=cfg.attn_softcap, rope=rope_tables)
+                         softcap=cfg.attn_softcap, rope=rope_tables, **quant)
         a = self.o(a.transpose(1, 2).reshape(b, l, hq * d))
         if cfg.post_norms:
             a = self.post_attn_norm(a)
@@ -99,7 +101,8 @@ class Block(nn.Module):
 class Decoder(nn.Module):
     """forward(input_ids [B, L], positions [B, L], caches, logit_index=None) -> logits.
 
-    `caches` is a sequence of (k_cache, v_cache) per layer, each [B, Hkv, S_max, D], updated in place.
+    `caches` is a sequence of (k_cache, v_cache) per layer, each [B, Hkv, S_max, D], updated in place;
+    an int8 cache's entries are (k_cache, v_cache, k_scale, v_scale) (KVCache.for_batch).
     `logit_index` [B] int64 selects one position per row, so only the logits a caller needs are
     computed (the last real token of each row); without it every position's logits come back.
     """
@@ -147,8 +150,8 @@ class Decoder(nn.Module):
             x = x + self.pos_embed(positions)
         else:  # one table per cache length, shared by every layer
             tables = self.rope_tables(caches[0][0].shape[2], x.dtype)
-        for layer, (k_cache, v_cache) in zip(self.layers, caches, strict=True):
-            x = layer(x, positions, tables, k_cache, v_cache, self.attention_op)
+        for layer, (k_cache, v_cache, *kv_scales) in zip(self.layers, caches, strict=True):
+            x = layer(x, positions, tables, k_cache, v_cache, self.attention_op, kv_scales)
         if logit_index is not None:
             x = x[torch.arange(x.shape[0], device=x.device), logit_index][:, None]
         h = self.norm(x)

@@ -3,7 +3,7 @@
 The caches are torch tensors [max_batch, kv_heads, max_seq_len, head_dim] allocated at load; every
 step binds past_* and present_* to the *same* buffer (IO binding by address), so the graph updates
 the cache in place and no cache-sized allocation happens per token. Logits land in a preallocated
-buffer too.
+buffer too. An int8 cache (`--kv-dtype int8`) is allocated and bound as int8; its scales live in the graph.
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ from kvedge.export import lowerings
 from kvedge.export.contract import Sidecar, input_names, output_names
 from kvedge.models.loader import TORCH_DTYPES
 
-_NP = {torch.float32: np.float32, torch.float16: np.float16, torch.int64: np.int64}
+_NP = {torch.float32: np.float32, torch.float16: np.float16, torch.int64: np.int64, torch.int8: np.int8}
+_CACHE_DTYPES = {**TORCH_DTYPES, "int8": torch.int8}
 
 
 class OrtBackend:
@@ -62,7 +63,8 @@ class OrtBackend:
                               f"export with --dtype fp32 or fp16")
         shape = (self.max_batch, self.cfg.num_kv_heads, self.max_seq_len, self.cfg.head_dim)
         n = self.cfg.num_layers
-        self.caches = [torch.zeros(shape, dtype=self.dtype) for _ in range(2 * n)]  # k0, v0, k1, v1, ...
+        self.cache_dtype = _CACHE_DTYPES[sc.cache_dtype]  # the model's dtype, or int8
+        self.caches = [torch.zeros(shape, dtype=self.cache_dtype) for _ in range(2 * n)]  # k0, v0, k1, v1, ...
         logits_dtype = torch.float32 if sc.outputs[0]["dtype"] == "float32" else self.dtype
         self.logits = torch.empty((self.max_batch, 1, self.cfg.vocab_size), dtype=logits_dtype)
         self._in, self._out = input_names(n), output_names(n)
@@ -91,8 +93,8 @@ class OrtBackend:
         for name, out, t in zip(self._in[3:], self._out[1:], self.caches):
             view = t[:batch]  # first rows of a C-contiguous tensor: contiguous, same storage
             shape = list(view.shape)
-            b.bind_input(name, "cpu", 0, _NP[self.dtype], shape, view.data_ptr())
-            b.bind_output(out, "cpu", 0, _NP[self.dtype], shape, view.data_ptr())
+            b.bind_input(name, "cpu", 0, _NP[t.dtype], shape, view.data_ptr())
+            b.bind_output(out, "cpu", 0, _NP[t.dtype], shape, view.data_ptr())
         lg = self.logits[:batch]
         b.bind_output("logits", "cpu", 0, _NP[lg.dtype], list(lg.shape), lg.data_ptr())
         self._bound_batch = batch

@@ -1,7 +1,9 @@
 """The torch backend: the reference Decoder over a preallocated KVCache, on CPU or CUDA.
 
 On CUDA with triton installed, attention runs through kvedge's fused Triton kernels
-(torch.ops.kvedge.triton_attention); fused_attention=False keeps the reference op."""
+(torch.ops.kvedge.triton_attention); fused_attention=False keeps the reference op.
+kv_dtype="int8": the reference int8 cache (kvedge.models.attention), with kv_scales (per-layer k, v scales)
+or scales calibrated on the built-in text as `kvedge export --kv-dtype int8` does; always the reference op."""
 
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ class TorchBackend:
 
     def __init__(self, model_dir: str | Path, max_batch: int = 4, max_seq_len: int = 2048,
                  dtype: str | None = None, device: str | None = None, threads: int = 0,
-                 fused_attention: bool = True):
+                 fused_attention: bool = True, kv_dtype: str | None = None, kv_scales=None):
         if not (Path(model_dir) / "config.json").is_file():
             raise KvedgeError(f"{model_dir}: the torch backend needs the Hugging Face checkpoint (config.json + "
                               f"safetensors); an export folder holds only the ONNX graph")
@@ -34,9 +36,21 @@ class TorchBackend:
             max_seq_len = self.cfg.max_position_embeddings
         self.max_batch, self.max_seq_len = max_batch, max_seq_len
         param = next(self.model.parameters())
-        self.cache = KVCache.allocate(self.cfg, max_batch, max_seq_len, dtype=param.dtype, device=self.device)
+        cache_dtype = param.dtype
+        if kv_dtype == "int8":
+            if kv_scales is None:
+                from kvedge.export.exporter import calibration_rows
+                from kvedge.models.cache import calibrate_kv_scales
+
+                rows, _ = calibration_rows(Path(model_dir), self.cfg, None, 2048)
+                kv_scales = calibrate_kv_scales(self.model, rows)
+            cache_dtype = torch.int8
+        elif kv_dtype is not None:
+            raise KvedgeError(f"kv_dtype {kv_dtype!r}: the torch backend's cache is the model's dtype or int8")
+        self.cache = KVCache.allocate(self.cfg, max_batch, max_seq_len, dtype=cache_dtype, device=self.device,
+                                      scales=kv_scales)
         self.fused = False
-        if self.device.type == "cuda" and fused_attention:
+        if self.device.type == "cuda" and fused_attention and kv_dtype is None:
             try:
                 from kvedge.kernels.op import attention_op
             except ImportError:  # triton missing: the reference op still runs on CUDA
