@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvedge.errors import KvedgeError
+from kvedge.export import trt_plugin
 from kvedge.export.trt_plan import parse_version
 
 MAX_OPSET = {(8, 6): 17, (10, 0): 20, (10, 9): 22, (10, 13): 24, (11, 0): 24}
@@ -51,6 +52,7 @@ PLUGINS = {  # custom-domain op -> what provides it
                                       "implementation; re-export with --attention onnx (DequantizeLinear + MatMul)",
 }
 
+
 # Weight-only quantized forms TensorRT builds: DequantizeLinear(x, scale[, zero point]) -> MatMul, by the type of
 # x. Sources: onnx-tensorrt docs/operators.md (10.15: "DequantizeLinear | INT8, FP8, FP4, INT4 | `x_zero_point`
 # must be zero"; "UINT8 is only supported as network input or output tensor types"; no UINT4); TensorRT docs
@@ -71,7 +73,8 @@ QUANT_FORMS = {  # x dtype (ONNX) -> what TensorRT needs
 UNSIGNED = {2: "UINT8", 21: "UINT4"}  # no TensorRT quantized type; kvedge's asymmetric quantizer stores these
 
 
-KVEDGE_PLUGIN = ("kvedge", "gqa_attention", (10, 7))  # domain, op, first TensorRT with tensorrt.plugin QDPs
+# domain, op, first TensorRT with tensorrt.plugin QDPs (JIT), first with their AOT implementation (PTX in the engine)
+KVEDGE_PLUGIN = (trt_plugin.NAMESPACE, trt_plugin.NAME, trt_plugin.MIN_TENSORRT, trt_plugin.AOT_TENSORRT)
 
 
 @dataclass
@@ -117,12 +120,19 @@ def check(model_path: str | Path, trt_version: str, dynamic_axes: tuple[str, ...
         key = (node.domain or "", node.op_type)
         if key == (KVEDGE_PLUGIN[0], KVEDGE_PLUGIN[1]):
             if key not in seen:
-                ok = v >= KVEDGE_PLUGIN[2]
+                ok, aot = v >= KVEDGE_PLUGIN[2], v >= KVEDGE_PLUGIN[3]
+                how = ("ahead of time: its Triton kernel compiled to PTX and embedded in the engine" if aot else
+                       f"just in time: Python launches its kernels at run time (ahead of time needs TensorRT >= "
+                       f"{KVEDGE_PLUGIN[3][0]}.{KVEDGE_PLUGIN[3][1]})")
+                reg = f"registered by `kvedge build` (kvedge.export.trt_plugin.register()), {how}"
+                need = f"needs TensorRT >= {KVEDGE_PLUGIN[2][0]}.{KVEDGE_PLUGIN[2][1]} (tensorrt.plugin)"
                 rep.findings.append(Finding("plugin", f"{key[0]}::{key[1]} is kvedge's fused-attention plugin: "
-                                            + ("registered by `kvedge build` (kvedge.export.trt_plugin.register())"
-                                               if ok else f"needs TensorRT >= {KVEDGE_PLUGIN[2][0]}."
-                                                          f"{KVEDGE_PLUGIN[2][1]} (tensorrt.plugin)"),
-                                            blocking=not ok))
+                                            + (reg if ok else need), blocking=not ok))
+            version = next((a.s.decode() for a in node.attribute if a.name == "plugin_version"), "")
+            if version != trt_plugin.VERSION and key not in seen:
+                rep.findings.append(Finding("plugin", f"{key[0]}::{key[1]} node {node.name!r} is plugin_version "
+                                                      f"{version!r}; this kvedge registers version "
+                                                      f"{trt_plugin.VERSION!r}: re-export with --attention trt"))
         elif key[0] not in ("", "ai.onnx"):
             if key not in seen:
                 why = PLUGINS.get(key, "a custom op: needs its TensorRT plugin library loaded at build time")

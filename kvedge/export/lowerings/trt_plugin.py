@@ -3,14 +3,17 @@
 TensorRT's ONNX parser builds an unknown op from the plugin registry by its op type, with the
 `plugin_namespace` and `plugin_version` attributes. The graph runs only inside TensorRT with the
 plugin registered: ONNX Runtime cannot run it, so export skips the ORT verification.
+RoPE is the plugin's: the node takes the cos/sin tables (a [1, 0] pair for a model without RoPE) and
+rotates q and k inside its kernels, so no rotation ops precede it.
 """
 
 from __future__ import annotations
 
+from onnxscript import opset18 as op
 from onnxscript.values import Opset
 
 from kvedge.export import trt_plugin
-from kvedge.export.lowerings._common import rope
+from kvedge.export.lowerings._common import const
 from kvedge.models.config import ModelConfig
 
 NAME = "trt"
@@ -27,13 +30,15 @@ def _register_schema() -> None:
     T = defs.OpSchema.AttrType
     defs.register_schema(defs.OpSchema(
         trt_plugin.NAME, trt_plugin.NAMESPACE, 1,
-        inputs=[P("q", "T"), P("k", "T"), P("v", "T"), P("k_cache", "T"), P("v_cache", "T"), P("positions", "I")],
+        inputs=[P("q", "T"), P("k", "T"), P("v", "T"), P("k_cache", "T"), P("v_cache", "T"), P("positions", "I"),
+                P("cos", "R"), P("sin", "R")],
         outputs=[P("out", "T"), P("present_key", "T"), P("present_value", "T")],
         attributes=[A("scale", T.FLOAT, "", required=True), A("window", T.INT, "", required=True),
                     A("softcap", T.FLOAT, "", required=True),
                     A("plugin_namespace", T.STRING, "", required=True),
                     A("plugin_version", T.STRING, "", required=True)],
         type_constraints=[("T", ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"], ""),
+                          ("R", ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"], ""),
                           ("I", ["tensor(int64)", "tensor(int32)"], "")]))
 
 
@@ -53,7 +58,8 @@ translate_qlinear = None
 
 
 def translate(q, k, v, k_cache, v_cache, positions, scale: float, window: int, softcap: float, cos=None, sin=None):
-    q, k = rope(q, cos, sin, positions), rope(k, cos, sin, positions)
+    if cos is None:  # no RoPE: zero-width tables, never read by the kernels
+        cos = sin = op.ConstantOfShape(const([1, 0]))
     return getattr(kvedge_ops, trt_plugin.NAME)(
-        q, k, v, k_cache, v_cache, positions, scale=scale, window=window, softcap=softcap,
+        q, k, v, k_cache, v_cache, positions, cos, sin, scale=scale, window=window, softcap=softcap,
         plugin_namespace=trt_plugin.NAMESPACE, plugin_version=trt_plugin.VERSION)
