@@ -108,7 +108,7 @@ def cmd_export(args) -> int:
                          max_batch=args.max_batch, force=args.force, verify=not args.no_verify,
                          verify_steps=args.verify_steps, quantize=args.quantize, group_size=args.group_size,
                          quantize_lm_head=args.quantize_lm_head, allow_degraded=args.allow_degraded,
-                         accuracy_level=args.accuracy_level, quant_method=args.method,
+                         accuracy_level=args.accuracy_level, quant_method=args.method, symmetric=args.symmetric,
                          calibration_text=args.calibration_text, calibration_tokens=args.calibration_tokens,
                          kv_dtype=args.kv_dtype)
     sidecar = export(args.model, args.out, opts, progress=None if args.quiet else
@@ -391,6 +391,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--no-verify", action="store_true", help="skip the ONNX Runtime vs PyTorch check")
     s.add_argument("--verify-steps", type=int, default=16, help="decode steps to verify (default 16)")
     s.add_argument("--quantize", choices=("int8", "int4"), help="weight-only quantization, per group (--method)")
+    s.add_argument("--symmetric", action="store_true",
+                   help="symmetric groups (zero point at the midpoint): with --attention onnx the weights become "
+                        "signed INT4/INT8 DequantizeLinear without zero points, the form TensorRT's weight-only "
+                        "path builds (use --group-size 64 or 128 for INT4 there); default: asymmetric")
     s.add_argument("--method", choices=("rtn", "gptq"), default="rtn",
                    help="rtn (default): round-to-nearest, needs no text and judges no input over another. gptq: "
                         "compensates rounding errors on the activations of a calibration text; on text like it, "

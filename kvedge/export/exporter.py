@@ -48,6 +48,7 @@ class ExportOptions:
     tolerance: tuple[float | None, float] | None = None  # (max abs, min cosine); None: the dtype's preset
     quantize: str | None = None  # None | "int8" | "int4": weight-only, per group
     quant_method: str = "rtn"  # "rtn" (round-to-nearest) | "gptq" (error-compensating, calibrated on text)
+    symmetric: bool = False  # zero points at the midpoint: the signed form TensorRT's weight-only path builds
     calibration_text: str | None = None  # a UTF-8 text file; None: the built-in kvedge/models/calibration.txt
     calibration_tokens: int = 2048  # at most this many tokens of it (GPTQ calibration and the perplexity)
     group_size: int = 32
@@ -139,18 +140,20 @@ def _quantize(decoder: Decoder, model_dir: Path, o: ExportOptions, say: Callable
     bits = QUANT_BITS[o.quantize]
     rows, text = calibration_rows(model_dir, decoder.cfg, o.calibration_text, o.calibration_tokens)
     record = {"scheme": o.quantize, "bits": bits, "group_size": o.group_size, "method": o.quant_method,
-              "lm_head": o.quantize_lm_head, "accuracy_level": o.accuracy_level}
+              "lm_head": o.quantize_lm_head, "accuracy_level": o.accuracy_level, "symmetric": o.symmetric}
     if o.quant_method == "gptq":
         from kvedge.models.gptq import DAMP, gptq_quantize_decoder
 
         say(f"GPTQ calibration on {text['tokens']} tokens ({text['rows']} x {text['row_length']}) of the "
             f"{text['text']} text")
-        fig = gptq_quantize_decoder(decoder, rows, bits, o.group_size, o.quantize_lm_head, o.accuracy_level, say)
+        fig = gptq_quantize_decoder(decoder, rows, bits, o.group_size, o.quantize_lm_head, o.accuracy_level, say,
+                                    symmetric=o.symmetric)
         record.update(linears=fig.pop("linears"), calibration={**text, "damp": DAMP, **fig})
     else:
         from kvedge.models.quant import quantize_decoder
 
-        record["linears"] = quantize_decoder(decoder, bits, o.group_size, o.quantize_lm_head, o.accuracy_level)
+        record["linears"] = quantize_decoder(decoder, bits, o.group_size, o.quantize_lm_head, o.accuracy_level,
+                                             o.symmetric)
     say(f"quantized {record['linears']} linears to {o.quantize} ({QUANT_METHODS[o.quant_method]}, "
         f"groups of {o.group_size})")
     return record, (rows, text)

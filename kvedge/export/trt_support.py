@@ -193,7 +193,8 @@ def quantization_findings(model, v: tuple[int, int]) -> list[Finding]:
         if x.data_type in UNSIGNED:
             msg = (f"DequantizeLinear of {UNSIGNED[x.data_type]} weights with zero points (kvedge's asymmetric "
                    "quantization): TensorRT's quantized weights are signed INT8 / INT4 with zero points all zero "
-                   "(symmetric only), so no TensorRT builds this graph; run it on ONNX Runtime")
+                   "(symmetric only), so no TensorRT builds this graph: export with --symmetric, or run it on "
+                   "ONNX Runtime")
         elif form is None:
             msg = f"DequantizeLinear of {DTYPE_NAMES.get(x.data_type, x.data_type)} weights: not a TensorRT " \
                   "quantized type"

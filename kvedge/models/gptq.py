@@ -47,7 +47,7 @@ def _inverse_factor(h: torch.Tensor, damp: float) -> tuple[torch.Tensor, torch.T
 
 
 def gptq_quantize(w: torch.Tensor, h: torch.Tensor, bits: int, group: int, damp: float = DAMP,
-                  block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  block: int = BLOCK, symmetric: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """w [N, K], h [K, K] (2 X^T X / n) -> (qweight, scales, zeros) in quant.py's MatMulNBits layout."""
     n, k = w.shape
     check_shape(bits, k, group)
@@ -64,7 +64,7 @@ def gptq_quantize(w: torch.Tensor, h: torch.Tensor, bits: int, group: int, damp:
         for j, c in enumerate(range(b0, b1)):
             g = c // group
             if c % group == 0:
-                scale[g], zero[g] = group_params(wb[j:j + group].t(), bits)
+                scale[g], zero[g] = group_params(wb[j:j + group].t(), bits, symmetric)
             q[c] = quantize_values(wb[j], scale[g], zero[g], bits)
             err[j] = (wb[j] - dequantize_values(q[c], scale[g], zero[g])) / u[c, c]
             wb[j + 1:] -= u[c, c + 1:b1, None] * err[j]
@@ -101,7 +101,7 @@ class _Stop(Exception):
 
 
 def _calibrated(linear: nn.Linear, run: Callable[[], object], bits: int, group: int, accuracy_level: int,
-                errors: list, source: nn.Module | None = None) -> QuantLinear:
+                errors: list, source: nn.Module | None = None, symmetric: bool = False) -> QuantLinear:
     """Run `run` with a hook collecting the inputs of `linear` (or the outputs of `source`, which
     feeds it), then return the GPTQ-quantized replacement of `linear`."""
     acc = _Inputs(linear.in_features, outputs=source is not None)
@@ -111,15 +111,16 @@ def _calibrated(linear: nn.Linear, run: Callable[[], object], bits: int, group: 
     finally:
         handle.remove()
     h = acc.hessian()
-    packed = gptq_quantize(linear.weight, h, bits, group)
+    packed = gptq_quantize(linear.weight, h, bits, group, symmetric=symmetric)
     errors.append((output_error(linear.weight, packed, h, bits),
-                   output_error(linear.weight, quantize(linear.weight.detach(), bits, group), h, bits)))
+                   output_error(linear.weight, quantize(linear.weight.detach(), bits, group, symmetric), h, bits)))
     return QuantLinear(linear, bits, group, accuracy_level, packed=packed)
 
 
 @torch.no_grad()
 def gptq_quantize_decoder(model: nn.Module, rows: torch.Tensor, bits: int, group: int = 32, lm_head: bool = False,
-                          accuracy_level: int = 0, progress: Callable[[str], None] | None = None) -> dict:
+                          accuracy_level: int = 0, progress: Callable[[str], None] | None = None,
+                          symmetric: bool = False) -> dict:
     """Replace every projection (and the lm_head if asked) by a GPTQ-quantized QuantLinear, in place,
     calibrated on token rows [R, L]. Returns the figures: linears quantized and the mean relative
     output error on the calibration inputs of GPTQ and of round-to-nearest."""
@@ -133,7 +134,7 @@ def gptq_quantize_decoder(model: nn.Module, rows: torch.Tensor, bits: int, group
         start = len(errors)
         for name in PROJECTIONS:  # each sees the inputs the already-quantized ones before it give it
             setattr(block, name, _calibrated(getattr(block, name), lambda: block.forward(*args), bits, group,
-                                             accuracy_level, errors))
+                                             accuracy_level, errors, symmetric=symmetric))
         if progress:
             g, rtn = (sum(e[i] for e in errors[start:]) / len(PROJECTIONS) for i in (0, 1))
             progress(f"GPTQ layer {index + 1}/{cfg.num_layers}: relative output error {g:.2%} "
@@ -154,7 +155,7 @@ def gptq_quantize_decoder(model: nn.Module, rows: torch.Tensor, bits: int, group
     try:
         if lm_head:  # the head's inputs are the final norm's outputs
             model.lm_head = _calibrated(lm_head_linear(model), run, bits, group, accuracy_level, errors,
-                                        source=model.norm)
+                                        source=model.norm, symmetric=symmetric)
         else:
             run()
     finally:

@@ -32,8 +32,14 @@ def _unpack4(b: torch.Tensor, n: int) -> torch.Tensor:
     return out[..., :n]
 
 
-def group_params(wg: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """wg [..., group] float -> (scale, zero) [...]: the range of each group, widened to include 0."""
+def group_params(wg: torch.Tensor, bits: int, symmetric: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """wg [..., group] float -> (scale, zero) [...]: the range of each group, widened to include 0.
+    symmetric: zero fixed at the midpoint 2^(bits-1) and scale = max|w| / (2^(bits-1) - 1), so the stored
+    integers minus the midpoint are the signed values TensorRT's weight-only INT4/INT8 path takes."""
+    if symmetric:
+        mid = 2 ** (bits - 1)
+        scale = (wg.abs().amax(-1) / (mid - 1)).clamp(min=1e-12)
+        return scale, torch.full_like(scale, mid)
     lo = wg.amin(-1).clamp(max=0.0)
     hi = wg.amax(-1).clamp(min=0.0)
     qmax = 2**bits - 1
@@ -60,12 +66,13 @@ def check_shape(bits: int, k: int, group: int) -> None:
         raise KvedgeError(f"input size {k} is not a multiple of the group size {group}")
 
 
-def quantize(w: torch.Tensor, bits: int, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def quantize(w: torch.Tensor, bits: int, group: int, symmetric: bool = False
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """w [N, K] float -> (qweight, scales, zeros) in the MatMulNBits layout (see module doc)."""
     n, k = w.shape
     check_shape(bits, k, group)
     wg = w.float().reshape(n, k // group, group)
-    scale, zero = group_params(wg, bits)
+    scale, zero = group_params(wg, bits, symmetric)
     return pack(quantize_values(wg, scale[..., None], zero[..., None], bits), scale, zero, bits)
 
 
@@ -101,12 +108,12 @@ PROJECTIONS = ("qkv", "o", "up", "down")  # the linears of a Block, in the order
 
 class QuantLinear(nn.Module):
     def __init__(self, linear: nn.Linear, bits: int, group: int, accuracy_level: int = 0,
-                 packed: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None):
+                 packed: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None, symmetric: bool = False):
         """packed: (qweight, scales, zeros) already quantized (e.g. by GPTQ); None: round-to-nearest."""
         super().__init__()
         self.bits, self.group, self.accuracy_level = bits, group, accuracy_level
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        q, s, z = packed if packed is not None else quantize(linear.weight.detach(), bits, group)
+        q, s, z = packed if packed is not None else quantize(linear.weight.detach(), bits, group, symmetric)
         self.register_buffer("qweight", q)
         self.register_buffer("scales", s.to(linear.weight.dtype))
         self.register_buffer("zeros", z)
@@ -119,16 +126,16 @@ class QuantLinear(nn.Module):
 
 
 def quantize_decoder(model: nn.Module, bits: int, group: int = 32, lm_head: bool = False,
-                     accuracy_level: int = 0) -> int:
+                     accuracy_level: int = 0, symmetric: bool = False) -> int:
     """Replace every projection of every block (and the lm_head if asked) by a QuantLinear, in place.
     Embeddings stay in floating point. Returns the number of linears quantized."""
     count = 0
     for layer in model.layers:
         for name in PROJECTIONS:
-            setattr(layer, name, QuantLinear(getattr(layer, name), bits, group, accuracy_level))
+            setattr(layer, name, QuantLinear(getattr(layer, name), bits, group, accuracy_level, symmetric=symmetric))
             count += 1
     if lm_head:
-        model.lm_head = QuantLinear(lm_head_linear(model), bits, group, accuracy_level)
+        model.lm_head = QuantLinear(lm_head_linear(model), bits, group, accuracy_level, symmetric=symmetric)
         count += 1
     return count
 

@@ -149,3 +149,28 @@ def test_check_knows_symmetric_weight_only_forms(tmp_path):
     assert not check(int8, "10.9").buildable and check(int8, "10.15").buildable
     assert any("blocked INT8 DequantizeLinear needs TensorRT >= 10.15" in f.message
                for f in check(int8, "10.9").findings)
+
+
+@pytest.mark.parametrize("scheme,dtype,ok", [("int4", 22, {"10.3": False, "10.15": True, "11.0": True}),
+                                             ("int8", 3, {"10.9": False, "10.15": True, "11.0": True})])
+def test_symmetric_export_is_the_form_tensorrt_builds(scheme, dtype, ok, tmp_path):
+    """--symmetric with --attention onnx writes signed INT4 / INT8 weights and DequantizeLinear without zero
+    points, blocks of 128 along K: check finds nothing blocking where TensorRT documents the form, and the
+    graph still verifies on ONNX Runtime against the quantized PyTorch model."""
+    import onnx
+
+    from kvedge.export import ExportOptions, export
+    from tests.conftest import save_hf_model
+
+    ckpt = tmp_path / "llama128"
+    save_hf_model(ckpt, "llama", hidden_size=128, intermediate_size=256, num_attention_heads=4,
+                  num_key_value_heads=2, num_hidden_layers=1)
+    out = tmp_path / scheme
+    sc = export(ckpt, out, ExportOptions(attention="onnx", max_seq_len=MAX_SEQ, quantize=scheme, group_size=128,
+                                         symmetric=True, allow_degraded=True))
+    assert sc.verification["passed"] and sc.extra["quantization"]["symmetric"]
+    graph = onnx.load(str(out / "model.onnx")).graph
+    dq = [n for n in graph.node if n.op_type == "DequantizeLinear"]
+    inits = {t.name: t for t in graph.initializer}
+    assert len(dq) == 4 and all(len(n.input) == 2 and inits[n.input[0]].data_type == dtype for n in dq)
+    assert {v: check(out / "model.onnx", v).buildable for v in ok} == ok

@@ -126,3 +126,17 @@ def test_tied_lm_head_gets_a_quantized_copy_and_the_embedding_stays_fp(hf_checkp
     assert isinstance(model.lm_head, QuantLinear) and torch.equal(model.embed.weight, embed)
     got = model(ids, torch.arange(10)[None], KVCache.allocate(model.cfg, 1, 16).for_batch(1))
     assert torch.nn.functional.cosine_similarity(got.flatten(), ref.flatten(), dim=0) > 0.99
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_symmetric_groups_put_zero_at_the_midpoint(bits):
+    q, s, z = quantize(W, bits, 32, symmetric=True)
+    mid = 2 ** (bits - 1)
+    zeros = torch.stack((z & 0x0F, z >> 4), -1).flatten() if bits == 4 else z
+    assert torch.all(zeros == mid)
+    back = dequantize(q, s, z, bits, W.shape[1])
+    step = s.reshape(48, -1).repeat_interleave(32, dim=1)
+    assert torch.all((back - W).abs() <= step / 2 + 1e-6)
+    # each group's largest |w| lands on +-(mid - 1) steps: the signed range TensorRT takes, symmetric
+    amax = W.reshape(48, -1, 32).abs().amax(-1).reshape(-1)
+    assert torch.allclose(amax / s, torch.full_like(s, mid - 1), rtol=1e-5)

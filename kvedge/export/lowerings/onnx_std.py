@@ -65,8 +65,10 @@ def translate_qlinear(x, qweight, scales, zeros, bits: int, k: int, accuracy_lev
 
 def dq_initializers(qweight, scales, zeros, bits: int, k: int):
     """The MatMulNBits layout (kvedge.models.quant) -> numpy (W [K, N], scale [K / group, N], zero point
-    [K / group, N]) for DequantizeLinear(axis=0, block_size=group): uint8, or ml_dtypes.uint4 for 4 bits,
-    which onnx.numpy_helper stores as ONNX UINT4, two a byte, the lower index in the low nibble."""
+    [K / group, N] or None) for DequantizeLinear(axis=0, block_size=group): uint8, or ml_dtypes.uint4 for
+    4 bits, which onnx.numpy_helper stores as ONNX UINT4, two a byte, the lower index in the low nibble.
+    Symmetric weights (every zero point at the midpoint 2^(bits-1), --symmetric) become signed INT8 /
+    INT4 values q - midpoint with no zero point: the form TensorRT's weight-only path builds."""
     import ml_dtypes
     import numpy as np
 
@@ -75,9 +77,13 @@ def dq_initializers(qweight, scales, zeros, bits: int, k: int):
     if bits == 4:
         q = np.stack((q & 0x0F, q >> 4), axis=-1).reshape(n, -1)[:, :k]
         z = np.stack((z & 0x0F, z >> 4), axis=-1).reshape(n, -1)[:, :nb]
-    dtype = ml_dtypes.uint4 if bits == 4 else np.uint8
-    return (np.ascontiguousarray(q.reshape(n, k).T).astype(dtype), np.asarray(scales).reshape(n, nb).T.copy(),
-            np.ascontiguousarray(z.reshape(n, nb).T).astype(dtype))
+    w, s, z = q.reshape(n, k).T, np.asarray(scales).reshape(n, nb).T.copy(), z.reshape(n, nb).T
+    mid = 2 ** (bits - 1)
+    if np.all(z == mid):
+        signed = ml_dtypes.int4 if bits == 4 else np.int8
+        return np.ascontiguousarray(w.astype(np.int16) - mid).astype(signed), s, None
+    unsigned = ml_dtypes.uint4 if bits == 4 else np.uint8
+    return np.ascontiguousarray(w).astype(unsigned), s, np.ascontiguousarray(z).astype(unsigned)
 
 
 def finalize(proto) -> None:
@@ -98,7 +104,7 @@ def finalize(proto) -> None:
         attrs = {a.name: a.i for a in node.attribute}
         w, s, z = dq_initializers(*(numpy_helper.to_array(inits[name]) for name in node.input), attrs["bits"],
                                   attrs["K"])
-        names = [f"{node.input[0]}.dq_{part}" for part in ("w", "scale", "zero")]
+        names = [f"{node.input[0]}.dq_{part}" for part, a in zip(("w", "scale", "zero"), (w, s, z)) if a is not None]
         graph.initializer.extend(numpy_helper.from_array(a, name) for a, name in zip((w, s, z), names))
         graph.node.remove(node)
         graph.node.insert(i, helper.make_node("DequantizeLinear", names, list(node.output), name=node.name,
