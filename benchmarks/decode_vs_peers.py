@@ -144,8 +144,10 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--work", default=None, help="folder for the checkpoint and exports (default: a temp dir)")
     p.add_argument("--quantize", choices=("int4", "int8"), help="compare weight-only quantized exports "
-                   "(kvedge --quantize --quantize-lm-head with the ort lowering; GenAI's builder at the same "
+                   "(kvedge --quantize --quantize-lm-head --symmetric with the ort lowering; GenAI's builder at the same "
                    "precision, which quantizes its lm_head too)")
+    p.add_argument("--asymmetric", action="store_true", help="kvedge's asymmetric groups (zero points) instead "
+                   "of --symmetric, which GenAI's builder uses by default (MatMulNBits without zero points)")
     p.add_argument("--accuracy-level", type=int, default=4, help="kvedge's MatMulNBits accuracy_level "
                    "(GenAI's builder uses 4: int8 activations)")
     a = p.parse_args()
@@ -165,10 +167,11 @@ def main() -> None:
     hf = bench_transformers(ckpt, prompt, a.gen, a.repeat)
     rows.append(("transformers generate fp32", hf[0], hf[1]))
     for low in (["ort"] if a.quantize else a.lowerings.split(",")):
-        out = work / f"kvedge-{low}-{a.quantize or 'fp32'}-acc{a.accuracy_level}"
+        out = work / f"kvedge-{low}-{a.quantize or 'fp32'}-acc{a.accuracy_level}{'-asym' if a.asymmetric else ''}"
         if not (out / "kvedge.json").is_file():
             export(ckpt, out, ExportOptions(attention=low, max_seq_len=a.prompt + a.gen, max_batch=1, force=True,
                                             quantize=a.quantize, quantize_lm_head=bool(a.quantize),
+                                            symmetric=bool(a.quantize) and not a.asymmetric,
                                             accuracy_level=a.accuracy_level,
                                             tolerance=(None, -1.0) if a.quantize else None,  # figures printed below
                                             allow_degraded=True))

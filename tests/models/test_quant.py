@@ -140,3 +140,16 @@ def test_symmetric_groups_put_zero_at_the_midpoint(bits):
     # each group's largest |w| lands on +-(mid - 1) steps: the signed range TensorRT takes, symmetric
     amax = W.reshape(48, -1, 32).abs().amax(-1).reshape(-1)
     assert torch.allclose(amax / s, torch.full_like(s, mid - 1), rtol=1e-5)
+
+
+@pytest.mark.parametrize("scheme", ["int4", "int8"])
+def test_symmetric_ort_export_drops_the_zero_points(scheme, hf_checkpoint, tmp_path):
+    """--symmetric zero points all sit at MatMulNBits' default (the midpoint): the ort lowering leaves the
+    input out, so ONNX Runtime takes its no-zero-point kernel path, and the graph still agrees with the
+    quantized PyTorch model."""
+    path, _ = hf_checkpoint("llama-gqa4-llama3rope")
+    sc = export(path, tmp_path / "q", ExportOptions(attention="ort", quantize=scheme, symmetric=True, max_seq_len=96,
+                                                    allow_degraded=True))
+    assert sc.verification["passed"] and sc.verification["max_abs_error"] < 1e-4
+    nodes = [n for n in onnx.load(str(tmp_path / "q" / "model.onnx")).graph.node if n.op_type == "MatMulNBits"]
+    assert len(nodes) == 4 * sc.model.num_layers and all(len(n.input) < 4 or not n.input[3] for n in nodes)

@@ -201,7 +201,27 @@ def finalize(proto) -> None:
             for user in users.get(end, []):
                 user.input[list(user.input).index(end)] = node.output[0]
     _fuse_skip_rms_norm(graph, producer, users)
+    _drop_midpoint_zero_points(graph)
     _drop_dead_nodes(proto)
+
+
+def _drop_midpoint_zero_points(graph) -> None:
+    """MatMulNBits whose zero points are all the midpoint 2^(bits-1) (--symmetric) loses its zero-point
+    input: that is the op's default, and its kernel skips the per-group zero point then (faster)."""
+    from onnx import numpy_helper
+
+    inits = {t.name: t for t in graph.initializer}
+    for n in graph.node:
+        if n.op_type != "MatMulNBits" or len(n.input) < 4 or n.input[3] not in inits:
+            continue
+        bits = next(a.i for a in n.attribute if a.name == "bits")
+        z = numpy_helper.to_array(inits[n.input[3]])
+        mid = 2 ** (bits - 1)
+        if (z == (mid | mid << 4) if bits == 4 else z == mid).all():  # 4 bits: two midpoints a byte
+            if len(n.input) == 4:
+                del n.input[3]
+            else:
+                n.input[3] = ""
 
 
 def _fuse_skip_rms_norm(graph, producer, users) -> None:
