@@ -208,16 +208,18 @@ def finalize(proto) -> None:
 def _drop_midpoint_zero_points(graph) -> None:
     """MatMulNBits whose zero points are all the midpoint 2^(bits-1) (--symmetric) loses its zero-point
     input: that is the op's default, and its kernel skips the per-group zero point then (faster)."""
+    import numpy as np
     from onnx import numpy_helper
 
     inits = {t.name: t for t in graph.initializer}
     for n in graph.node:
         if n.op_type != "MatMulNBits" or len(n.input) < 4 or n.input[3] not in inits:
             continue
-        bits = next(a.i for a in n.attribute if a.name == "bits")
-        z = numpy_helper.to_array(inits[n.input[3]])
-        mid = 2 ** (bits - 1)
-        if (z == (mid | mid << 4) if bits == 4 else z == mid).all():  # 4 bits: two midpoints a byte
+        a = {x.name: x.i for x in n.attribute}
+        z = numpy_helper.to_array(inits[n.input[3]]).reshape(a["N"], -1)
+        if a["bits"] == 4:  # two a byte, low nibble first; an odd count leaves a padding nibble
+            z = np.stack((z & 0x0F, z >> 4), axis=-1).reshape(a["N"], -1)[:, :a["K"] // a["block_size"]]
+        if (z == 2 ** (a["bits"] - 1)).all():
             if len(n.input) == 4:
                 del n.input[3]
             else:
