@@ -7,7 +7,9 @@ EOS ignored), 2 threads. Peers, each measured here, now, on the same checkpoint:
 - ONNX Runtime GenAI (its own model builder and generate loop), when --genai-python names a Python
   with onnxruntime-genai installed (it is not a kvedge dependency: its pins may differ from ours);
 - Hugging Face transformers `generate` (the PyTorch eager reference).
-Figures are medians of --repeat runs after a warm-up; ratios are against GenAI in the same run.
+Figures are medians of --repeat runs after a warm-up; ratios are against GenAI in the same run. The
+runtimes take turns run by run (GenAI, then each kvedge lowering, then again), so a drift of this
+shared machine's speed over the minutes of a run falls on all of them alike.
 
 For fp32 it also measures this machine's ceilings in the same run, so the figures can be read against
 physics rather than only against peers: decode reads every weight once per token (the tied embedding
@@ -88,13 +90,16 @@ def ceilings(ckpt: Path, prompt_len: int) -> tuple[float, float, dict]:
         "read GB/s": read_bps / 1e9, "fp32 GEMM GFLOP/s": gemm_fps / 1e9, "weight MB read per token": (linear + head) * 4e-6}
 
 
-def bench_kvedge(export_dir: Path, prompt: list[int], gen: int, repeat: int, threads: int):
+def kvedge_session(export_dir: Path, threads: int):
     from kvedge.runtime import load
 
-    s = load(export_dir, threads=threads)
-    s.generate([prompt], max_new_tokens=8, eos_token_id=None)
-    runs = [s.generate([prompt], max_new_tokens=gen, eos_token_id=None) for _ in range(repeat)]
-    return median([r.prefill_s for r in runs]), median([r.decode_tokens_per_s for r in runs]), runs[0].tokens[0]
+    return load(export_dir, threads=threads)
+
+
+def kvedge_once(session, prompt: list[int], gen: int):
+    """(prefill s, decode tokens/s, tokens) of one generation."""
+    r = session.generate([prompt], max_new_tokens=gen, eos_token_id=None)
+    return r.prefill_s, r.decode_tokens_per_s, r.tokens[0]
 
 
 def bench_transformers(ckpt: Path, prompt: list[int], gen: int, repeat: int):
@@ -118,8 +123,8 @@ def bench_transformers(ckpt: Path, prompt: list[int], gen: int, repeat: int):
     return prefill, decode, full[0][1]
 
 
-def bench_genai(python: str, ckpt: Path, work: Path, prompt_len: int, gen: int, repeat: int, threads: int,
-                precision: str = "fp32"):
+def genai_model(python: str, ckpt: Path, work: Path, threads: int, precision: str = "fp32") -> Path:
+    """GenAI's builder output for the checkpoint (built once per precision), set to `threads` threads."""
     out = work / f"genai-{precision}"
     if not (out / "genai_config.json").is_file():
         subprocess.run([python, "-m", "onnxruntime_genai.models.builder", "-i", str(ckpt), "-o", str(out),
@@ -128,7 +133,12 @@ def bench_genai(python: str, ckpt: Path, work: Path, prompt_len: int, gen: int, 
     cfg = json.loads((out / "genai_config.json").read_text())
     cfg["model"]["decoder"].setdefault("session_options", {})["intra_op_num_threads"] = threads
     (out / "genai_config.json").write_text(json.dumps(cfg, indent=2))
-    r = subprocess.run([python, "-c", GENAI_RUNNER, str(out), str(prompt_len), str(gen), str(repeat)],
+    return out
+
+
+def genai_once(python: str, model: Path, prompt_len: int, gen: int) -> tuple[float, float]:
+    """(prefill s, decode tokens/s) of one GenAI generation, after a warm-up one, in a fresh process."""
+    r = subprocess.run([python, "-c", GENAI_RUNNER, str(model), str(prompt_len), str(gen), "1"],
                        check=True, capture_output=True, text=True)
     d = json.loads(r.stdout.strip().splitlines()[-1])
     return d["prefill_s"], d["decode_tps"]
@@ -159,14 +169,9 @@ def main() -> None:
     work = Path(a.work or tempfile.mkdtemp(prefix="kvedge-peers-"))
     ckpt = write_demo_checkpoint(work / "smollm2-135m", "smollm2-135m")
     prompt = [0] + list(range(3, 3 + a.prompt - 1))
-    rows = []
-    genai = None
-    if a.genai_python:
-        genai = bench_genai(a.genai_python, ckpt, work, a.prompt, a.gen, a.repeat, a.threads, a.quantize or "fp32")
-        rows.append((f"onnxruntime-genai 0.18 {a.quantize or 'fp32'}", *genai))
-    hf = bench_transformers(ckpt, prompt, a.gen, a.repeat)
-    rows.append(("transformers generate fp32", hf[0], hf[1]))
-    for low in (["ort"] if a.quantize else a.lowerings.split(",")):
+    lowerings = ["ort"] if a.quantize else a.lowerings.split(",")
+    sessions = {}
+    for low in lowerings:
         out = work / f"kvedge-{low}-{a.quantize or 'fp32'}-acc{a.accuracy_level}{'-asym' if a.asymmetric else ''}"
         if not (out / "kvedge.json").is_file():
             export(ckpt, out, ExportOptions(attention=low, max_seq_len=a.prompt + a.gen, max_batch=1, force=True,
@@ -175,15 +180,32 @@ def main() -> None:
                                             accuracy_level=a.accuracy_level,
                                             tolerance=(None, -1.0) if a.quantize else None,  # figures printed below
                                             allow_degraded=True))
-        pre, dec, toks = bench_kvedge(out, prompt, a.gen, a.repeat, a.threads)
         if a.quantize:
             from kvedge.export import Sidecar
 
             v = Sidecar.read(out).verification
             print(f"kvedge {low} {a.quantize}: cosine vs quantized PyTorch {v['min_cosine']:.4f}, top-1 vs fp32 "
                   f"{v['vs_unquantized']['top1_agreement']:.0%}", file=sys.stderr)
-        rows.append((f"kvedge onnxruntime ({low}) {a.quantize or 'fp32'}", pre, dec))
-        same = "same" if toks == hf[2] else "DIFFERENT (expected when quantized)"
+        sessions[low] = kvedge_session(out, a.threads)
+        kvedge_once(sessions[low], prompt, 8)  # warm-up
+    model = genai_model(a.genai_python, ckpt, work, a.threads, a.quantize or "fp32") if a.genai_python else None
+    runs: dict[str, list] = {"genai": [], **{low: [] for low in lowerings}}
+    for _ in range(a.repeat):  # in turns: a drift of the machine's speed falls on every runtime alike
+        if model is not None:
+            runs["genai"].append(genai_once(a.genai_python, model, a.prompt, a.gen))
+        for low, session in sessions.items():
+            runs[low].append(kvedge_once(session, prompt, a.gen))
+    hf = bench_transformers(ckpt, prompt, a.gen, a.repeat)
+    rows = []
+    genai = None
+    if model is not None:
+        genai = median([r[0] for r in runs["genai"]]), median([r[1] for r in runs["genai"]])
+        rows.append((f"onnxruntime-genai 0.18 {a.quantize or 'fp32'}", *genai))
+    rows.append(("transformers generate fp32", hf[0], hf[1]))
+    for low in lowerings:
+        rows.append((f"kvedge onnxruntime ({low}) {a.quantize or 'fp32'}", median([r[0] for r in runs[low]]),
+                     median([r[1] for r in runs[low]])))
+        same = "same" if runs[low][0][2] == hf[2] else "DIFFERENT (expected when quantized)"
         print(f"kvedge {low}: greedy tokens {same} as transformers", file=sys.stderr)
 
     print(f"SmolLM2-135M shape (random weights), fp32, batch 1, prompt {a.prompt}, gen {a.gen}, "
