@@ -39,7 +39,7 @@ class TorchBackend:
         cache_dtype = param.dtype
         if kv_dtype == "int8":
             if kv_scales is None:
-                from kvedge.export.exporter import calibration_rows
+                from kvedge.calibration import calibration_rows
                 from kvedge.models.cache import calibrate_kv_scales
 
                 rows, _ = calibration_rows(Path(model_dir), self.cfg, None, 2048)

@@ -10,7 +10,7 @@ import torch
 
 from kvedge.errors import KvedgeError
 from kvedge.export import ExportOptions, export
-from kvedge.export.exporter import calibration_rows
+from kvedge.calibration import calibration_rows
 from kvedge.models import KVCache, load_decoder
 from kvedge.models.cache import calibrate_kv_scales
 from kvedge.runtime import Session
