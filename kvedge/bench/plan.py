@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from kvedge.errors import KvedgeError
 from kvedge.models.cache import dtype_bytes, kv_bytes_per_token, kv_scale_bytes, mla_bytes_per_token
 from kvedge.models.config import ModelConfig
+from kvedge.models.quant import QUANT_BITS
 
 GiB = 1024**3
 
@@ -49,9 +50,6 @@ DEVICES = {d.name: d for d in (
     Device("a100-80gb", 80, 2.0, False, "A100 80GB"),
     Device("h100-80gb", 80, 2.0, False, "H100 80GB"),
 )}
-
-
-QUANT_BITS = {"int8": 8, "int4": 4}
 
 
 def projection_shapes(cfg: ModelConfig) -> list[tuple[int, int]]:

@@ -20,6 +20,7 @@ import torch
 
 from kvedge.calibration import calibration_rows
 from kvedge.errors import KvedgeError
+from kvedge.models.quant import QUANT_BITS
 from kvedge.export import lowerings
 from kvedge.export.contract import SIDECAR, Sidecar, input_names, io_spec, output_names
 from kvedge.export.graph import ExportGraph
@@ -31,7 +32,6 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 EXTERNAL_DATA_THRESHOLD = 2 * 1024**3  # protobuf's hard limit for one file
 DTYPES = ("fp32", "fp16", "bf16")
 KV_DTYPES = DTYPES + ("int8",)
-QUANT_BITS = {"int8": 8, "int4": 4}
 QUANT_METHODS = {"rtn": "round-to-nearest", "gptq": "GPTQ"}
 
 
@@ -84,8 +84,11 @@ def _check_options(model_dir: Path, out_dir: Path, o: ExportOptions, cfg) -> Non
         reasons = lowerings.kv_cache_refusals(low, o.kv_dtype)
         if reasons:
             raise KvedgeError(f"the {low.NAME!r} lowering cannot export an {o.kv_dtype} KV cache: {'; '.join(reasons)}")
-    if (o.quantize or o.kv_dtype == "int8") and o.calibration_text is not None and not Path(o.calibration_text).is_file():
-        raise KvedgeError(f"--calibration-text {o.calibration_text}: no such file")
+    if o.quantize or o.kv_dtype == "int8":  # both run the model on the calibration text
+        if o.calibration_text is not None and not Path(o.calibration_text).is_file():
+            raise KvedgeError(f"--calibration-text {o.calibration_text}: no such file")
+        if o.calibration_tokens < 2:
+            raise KvedgeError(f"--calibration-tokens {o.calibration_tokens}: expected at least 2")
     if o.max_seq_len < 2 or o.max_batch < 1:
         raise KvedgeError(f"--max-seq-len must be >= 2 and --max-batch >= 1, got {o.max_seq_len}, {o.max_batch}")
     if cfg.positions == "learned" and o.max_seq_len > cfg.max_position_embeddings:
@@ -101,8 +104,6 @@ def _check_options(model_dir: Path, out_dir: Path, o: ExportOptions, cfg) -> Non
             raise KvedgeError(f"--group-size {o.group_size}: expected 16, 32, 64, 128 or 256")
         if o.quant_method not in QUANT_METHODS:
             raise KvedgeError(f"--method {o.quant_method!r}: expected {' or '.join(QUANT_METHODS)}")
-        if o.calibration_tokens < 2:
-            raise KvedgeError(f"--calibration-tokens {o.calibration_tokens}: expected at least 2")
     if out_dir.exists() and any(out_dir.iterdir()) and not o.force:
         raise KvedgeError(f"{out_dir} exists and is not empty; pass --force to overwrite it")
     if out_dir.resolve() == model_dir.resolve():
@@ -344,17 +345,14 @@ def export(model_dir: str | Path, out_dir: str | Path, options: ExportOptions | 
         sidecar.verification = report
         say(f"max abs {report['max_abs_error']:.2e}, cosine {report['min_cosine']:.6f}, "
             f"greedy agreement {report['greedy_agreement']:.0%}" + ("" if report["passed"] else "  FAILED"))
-        if "vs_unquantized" in report:
-            v, t = report["vs_unquantized"], report["vs_unquantized"]["on_text"]
-            say(f"against the unquantized model: top-1 {v['top1_agreement']:.0%}, min cosine {v['min_cosine']:.4f} "
-                f"(random prompt); on {t['tokens']} tokens of the {t['text']} text: top-1 {t['top1_agreement']:.0%}, "
-                f"mean cosine {t['mean_cosine']:.4f}, perplexity {t['reference_perplexity']:.3f} -> "
-                f"{t['perplexity']:.3f}")
-        if "vs_fp_cache" in report:
-            v, t = report["vs_fp_cache"], report["vs_fp_cache"]["on_text"]
-            say(f"int8 KV cache against a float cache: top-1 {v['top1_agreement']:.0%}, min cosine "
-                f"{v['min_cosine']:.4f} (random prompt); on the text: top-1 {t['top1_agreement']:.0%}, perplexity "
-                f"{t['reference_perplexity']:.3f} -> {t['perplexity']:.3f}")
+        for key, against in (("vs_unquantized", "against the unquantized model"),
+                             ("vs_fp_cache", "int8 KV cache against a float cache")):
+            if key in report:
+                v, t = report[key], report[key]["on_text"]
+                say(f"{against}: top-1 {v['top1_agreement']:.0%}, min cosine {v['min_cosine']:.4f} (random "
+                    f"prompt); on {t['tokens']} tokens of the {t['text']} text: top-1 {t['top1_agreement']:.0%}, "
+                    f"mean cosine {t['mean_cosine']:.4f}, perplexity {t['reference_perplexity']:.3f} -> "
+                    f"{t['perplexity']:.3f}")
         if not report["passed"]:
             raise KvedgeError(f"verification failed: {report['reason']}; no {SIDECAR} was written")
     path = sidecar.write(out_dir)

@@ -103,6 +103,7 @@ def _(x, qweight, scales, zeros, bits, k, accuracy_level):
     return x.new_empty((*x.shape[:-1], qweight.shape[0]))
 
 
+QUANT_BITS = {"int8": 8, "int4": 4}  # the --quantize schemes
 PROJECTIONS = ("qkv", "o", "up", "down")  # the linears of a Block, in the order data flows through them
 
 

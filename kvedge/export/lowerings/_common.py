@@ -5,6 +5,20 @@ from __future__ import annotations
 from onnxscript import opset18 as op
 
 
+def drop_unused(proto) -> None:
+    """Remove the nodes and initializers nothing reads any more (after a lowering's graph rewrite)."""
+    graph = proto.graph
+    while True:
+        used = {i for n in graph.node for i in n.input} | {o.name for o in graph.output}
+        dead = [n for n in graph.node if not any(o in used for o in n.output)]
+        if not dead:
+            break
+        for n in dead:
+            graph.node.remove(n)
+    for t in [t for t in graph.initializer if t.name not in used]:
+        graph.initializer.remove(t)
+
+
 def const(value):
     """An int64 constant (a list gives a 1-D tensor, an int a scalar)."""
     return op.Constant(value_ints=list(value)) if isinstance(value, (list, tuple)) else op.Constant(value_int=value)

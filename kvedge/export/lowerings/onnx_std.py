@@ -13,7 +13,7 @@ from __future__ import annotations
 from onnxscript import opset18 as op
 from onnxscript.values import Opset
 
-from kvedge.export.lowerings._common import const, kv_len, live, rope, visible
+from kvedge.export.lowerings._common import const, drop_unused, kv_len, live, rope, visible
 from kvedge.models.config import ModelConfig
 
 NAME = "onnx"
@@ -111,9 +111,7 @@ def finalize(proto) -> None:
                                               axis=0, block_size=attrs["K"] // s.shape[0]))
     for op_set in [o for o in proto.opset_import if o.domain == PLACEHOLDER]:
         proto.opset_import.remove(op_set)
-    used = {name for n in graph.node for name in n.input}
-    for t in [t for t in graph.initializer if t.name not in used]:
-        graph.initializer.remove(t)
+    drop_unused(proto)
 
 
 def unsupported_quant(bits: int) -> list[str]:

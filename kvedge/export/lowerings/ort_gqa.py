@@ -12,7 +12,7 @@ from __future__ import annotations
 from onnxscript import opset18 as op
 from onnxscript.values import Opset
 
-from kvedge.export.lowerings._common import const, rope
+from kvedge.export.lowerings._common import const, drop_unused, rope
 from kvedge.models.config import ModelConfig
 
 NAME = "ort"
@@ -202,7 +202,7 @@ def finalize(proto) -> None:
                 user.input[list(user.input).index(end)] = node.output[0]
     _fuse_skip_rms_norm(graph, producer, users)
     _drop_midpoint_zero_points(graph)
-    _drop_dead_nodes(proto)
+    drop_unused(proto)
 
 
 def _drop_midpoint_zero_points(graph) -> None:
@@ -265,17 +265,3 @@ def _fuse_skip_rms_norm(graph, producer, users) -> None:
         graph.node.insert(list(graph.node).index(residual), fused)
         for n in (residual, pow_, mean, add_eps, sqrt, div, mul):
             graph.node.remove(n)
-
-
-def _drop_dead_nodes(proto) -> None:
-    """Remove nodes and initializers nothing reads any more."""
-    graph = proto.graph
-    while True:
-        used = {i for n in graph.node for i in n.input} | {o.name for o in graph.output}
-        dead = [n for n in graph.node if not any(o in used for o in n.output)]
-        if not dead:
-            break
-        for n in dead:
-            graph.node.remove(n)
-    for t in [t for t in graph.initializer if t.name not in used]:
-        graph.initializer.remove(t)
