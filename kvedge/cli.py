@@ -74,7 +74,8 @@ def cmd_demo(args) -> int:
 def cmd_generate(args) -> int:
     from kvedge.runtime import SamplingParams, load
 
-    session = load(args.path, args.backend, threads=args.threads, max_seq_len=args.max_seq_len, max_batch=1)
+    session = load(args.path, args.backend, threads=args.threads, max_seq_len=args.max_seq_len, max_batch=1,
+                   quantize=None if args.quantize == "none" else args.quantize)
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                               repetition_penalty=args.repetition_penalty, seed=args.seed)
 
@@ -350,12 +351,18 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--quiet", action="store_true", help="no progress lines")
     s.set_defaults(fn=cmd_demo)
 
-    s = sub.add_parser("generate", help="generate text from an export folder (onnxruntime) or a checkpoint (torch)",
-                       description="Streams the text as it is produced, then prints prefill time and tokens/s.")
+    s = sub.add_parser("generate", help="generate text from an export folder (onnxruntime) or a checkpoint (torch, "
+                       "native)", description="Streams the text as it is produced, then prints prefill time and "
+                       "tokens/s. --backend native runs a checkpoint on kvedge's C engine for weight-only INT4/INT8 "
+                       "on the CPU (compiled at first use; needs a C compiler).")
     s.add_argument("path", help="export folder (kvedge.json) or Hugging Face checkpoint folder")
     s.add_argument("--prompt", help="prompt text")
     s.add_argument("--ids", help="prompt as comma-separated token ids instead of text")
-    s.add_argument("--backend", default="auto", choices=("auto", "onnxruntime", "torch"))
+    s.add_argument("--backend", default="auto", choices=("auto", "onnxruntime", "torch", "native"))
+    s.add_argument("--quantize", choices=("int4", "int8", "none"), default="int4",
+                   help="native backend: the checkpoint's projections and lm_head, rounded per group of 32 "
+                        "(symmetric) as `kvedge export --quantize ... --symmetric --quantize-lm-head`; a pre-quantized "
+                        "AWQ / GPTQ checkpoint runs as it is (default int4)")
     s.add_argument("--max-new-tokens", type=int, default=64)
     s.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
     s.add_argument("--top-k", type=int, default=0)
@@ -366,7 +373,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     s.add_argument("--truncate", action="store_true", help="drop the oldest prompt tokens if it does not fit")
     s.add_argument("--ignore-eos", action="store_true", help="do not stop at the end-of-sequence token")
-    s.add_argument("--max-seq-len", type=int, default=2048, help="torch backend cache length")
+    s.add_argument("--max-seq-len", type=int, default=2048, help="torch and native backends' cache length")
     s.add_argument("--threads", type=int, default=0)
     s.add_argument("--json", action="store_true", help="print the result as JSON at the end instead of streaming")
     s.add_argument("--quiet", action="store_true")

@@ -9,14 +9,15 @@ from kvedge.runtime.backend import Backend
 from kvedge.runtime.sampling import SamplingParams
 from kvedge.runtime.session import GenerationResult, Session
 
-BACKENDS = ("onnxruntime", "torch", "tensorrt")
+BACKENDS = ("onnxruntime", "torch", "tensorrt", "native")
 
 
 def load(path: str | Path, backend: str = "auto", *, max_batch: int | None = None, max_seq_len: int = 2048,
          threads: int = 0, providers: list[str] | None = None, device: str | None = None,
-         dtype: str | None = None, chunk_size: int = 512) -> Session:
+         dtype: str | None = None, chunk_size: int = 512, quantize: str | None = "int4") -> Session:
     """Open a session. `path` is an export folder (kvedge.json; backend onnxruntime) or a Hugging Face
-    checkpoint (config.json; backend torch). backend="auto" picks by what the folder holds."""
+    checkpoint (config.json; backend torch, or native). backend="auto" picks by what the folder holds.
+    quantize: the native backend's weights (int4, int8, or None for float32; see NativeBackend)."""
     from kvedge.export.contract import SIDECAR
     from kvedge.runtime.tokenizer import Tokenizer
 
@@ -35,6 +36,10 @@ def load(path: str | Path, backend: str = "auto", *, max_batch: int | None = Non
         from kvedge.runtime.trt_backend import TrtBackend
 
         be = TrtBackend(path)
+    elif backend == "native":
+        from kvedge.runtime.native_backend import NativeBackend
+
+        be = NativeBackend(path, max_batch=max_batch or 1, max_seq_len=max_seq_len, threads=threads, quantize=quantize)
     elif backend == "torch":
         from kvedge.runtime.torch_backend import TorchBackend
 

@@ -1,0 +1,212 @@
+"""The native CPU backend: kvedge's own C engine (kvedge/runtime/native/kvedge_cpu.c) for weight-only
+INT4/INT8 decoders, compiled at first use with the system C compiler and driven through ctypes.
+
+Why it exists: at int4 a decode step of a small model is dominated by per-node overhead in a graph
+runtime, not by the weights it reads; this engine runs a whole step as one call with one thread team.
+It runs the one model definition: the checkpoint is loaded with kvedge's loader and quantized by
+kvedge.models.quant (round to nearest) or taken as it is (a pre-quantized AWQ / GPTQ checkpoint), and
+the engine reads those same MatMulNBits bytes in place. Projections compute with int8 activations per
+32 input channels (ONNX Runtime's accuracy_level 4 scheme); norms, RoPE, attention and the cache are
+float32. Caches are torch tensors [max_batch, kv_heads, max_seq_len, head_dim], allocated once and
+written in place by the engine.
+
+Supported: RMSNorm decoders with rotary positions (llama, mistral, qwen2, qwen3, gemma, gemma2, phi3).
+Refused with a reason: LayerNorm / learned positions (gpt2), a non-float32 cache.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from kvedge.errors import KvedgeError, MissingDependencyError
+from kvedge.models import load_decoder, rope
+from kvedge.models.quant import QUANT_BITS, QuantLinear, _unpack4, lm_head_linear, quantize_decoder
+
+SOURCE = Path(__file__).with_name("native") / "kvedge_cpu.c"
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
+_ACTS = {"silu": 0, "gelu": 1, "gelu_tanh": 2}
+
+
+class Linear(ctypes.Structure):
+    _fields_ = [("n", ctypes.c_int32), ("k", ctypes.c_int32), ("bits", ctypes.c_int32), ("sym", ctypes.c_int32),
+                ("zsym", ctypes.c_float), ("q", ctypes.c_void_p), ("s", ctypes.c_void_p), ("z", ctypes.c_void_p),
+                ("w", ctypes.c_void_p), ("bias", ctypes.c_void_p)]
+
+
+class Layer(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_void_p) for n in ("attn_norm", "mlp_norm", "q_norm", "k_norm", "post_attn_norm",
+                                              "post_mlp_norm")] + \
+               [(n, Linear) for n in ("qkv", "o", "up", "down")] + \
+               [("window", ctypes.c_int32), ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p)]
+
+
+class Model(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_int32) for n in ("vocab", "hidden", "n_layers", "hq", "hkv", "d", "inter", "rot_half",
+                                              "glu", "act", "unit_offset", "max_batch", "max_seq")] + \
+               [(n, ctypes.c_float) for n in ("eps", "attn_scale", "attn_softcap", "final_softcap", "embed_scale")] + \
+               [("embed", ctypes.c_void_p), ("final_norm", ctypes.c_void_p), ("lm_head", Linear),
+                ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p), ("layers", ctypes.POINTER(Layer))]
+
+
+def compile_engine(flags: tuple[str, ...] = FLAGS, cache_dir: str | Path | None = None) -> ctypes.CDLL:
+    """Compile kvedge_cpu.c (once per source, compiler and flags; cached) and load it."""
+    want = os.environ.get("CC")
+    cc = shutil.which(want) if want else (shutil.which("cc") or shutil.which("gcc"))
+    if cc is None:
+        raise MissingDependencyError(f"the native backend compiles its C engine at first use and needs a C compiler "
+                                     f"with OpenMP ({f'CC={want} is not found' if want else 'no cc or gcc on PATH'}): "
+                                     f"e.g. apt install gcc, or set CC")
+    src = SOURCE.read_bytes()
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
+    key = hashlib.sha256(src + " ".join((cc, version, *flags)).encode()).hexdigest()[:16]
+    root = Path(cache_dir or os.environ.get("KVEDGE_CACHE") or Path.home() / ".cache" / "kvedge") / "native"
+    lib = root / f"kvedge_cpu-{key}.so"
+    if not lib.is_file():
+        root.mkdir(parents=True, exist_ok=True)
+        tmp = lib.with_suffix(f".{os.getpid()}.tmp")
+        print(f"kvedge: compiling the native engine ({cc} {' '.join(flags)})", file=sys.stderr)
+        r = subprocess.run([cc, *flags, "-o", str(tmp), str(SOURCE), "-lm"], capture_output=True, text=True)
+        if r.returncode:
+            raise KvedgeError(f"compiling {SOURCE.name} failed ({cc} {' '.join(flags)}):\n{r.stderr[-2000:]}")
+        tmp.replace(lib)  # atomic: concurrent first uses each compile, one file wins
+    dll = ctypes.CDLL(str(lib))
+    dll.kv_pack.argtypes = [ctypes.POINTER(Linear), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+    dll.kv_linear_forward.argtypes = [ctypes.POINTER(Linear), ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
+                                      ctypes.c_int]
+    dll.kv_forward.argtypes = [ctypes.POINTER(Model), ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
+                               ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+    return dll
+
+
+class _Keep:
+    """Holds every tensor a pointer handed to C refers to, for as long as the engine lives."""
+
+    def __init__(self):
+        self.tensors: list[torch.Tensor] = []
+
+    def __call__(self, t: torch.Tensor | None) -> int:
+        if t is None:
+            return 0
+        self.tensors.append(t)
+        return t.data_ptr()
+
+
+def pack_linear(dll: ctypes.CDLL, mod: nn.Module, keep: _Keep) -> Linear:
+    """A QuantLinear (its MatMulNBits bytes, read in place) or a float nn.Linear as the engine's Linear."""
+    bias = getattr(mod, "bias", None)
+    bias = keep(None if bias is None else bias.detach().float().contiguous())
+    if not isinstance(mod, QuantLinear):
+        return Linear(mod.out_features, mod.in_features, 32, 1, 0.0, 0, 0, 0,
+                      keep(mod.weight.detach().float().contiguous()), bias)
+    n, k, bits = mod.out_features, mod.in_features, mod.bits
+    groups = mod.qweight.shape[1]
+    group = k // groups
+    if k % 32 or group % 32:
+        raise KvedgeError(f"the native engine works on groups that are multiples of 32 channels; this linear has "
+                          f"{k} inputs in groups of {group}")
+    zeros = mod.zeros.reshape(n, -1)
+    zeros = (_unpack4(zeros, groups) if bits == 4 else zeros).contiguous()
+    mid = 2 ** (bits - 1)
+    sym = bool((zeros == mid).all())
+    nsb = k // 32
+    s, z = torch.empty(n * nsb, dtype=torch.float32), torch.empty(0 if sym else n * nsb, dtype=torch.uint8)
+    lin = Linear(n, k, bits, int(sym), float(mid), keep(mod.qweight.contiguous()), keep(s), keep(z) if not sym else 0,
+                 0, bias)
+    if dll.kv_pack(ctypes.byref(lin), keep(mod.scales.float().contiguous()), keep(zeros), group):
+        raise KvedgeError(f"kv_pack refused a {n}x{k} linear in groups of {group}")
+    return lin
+
+
+def unsupported(cfg) -> list[str]:
+    """Why the engine cannot run this model ([] when it can)."""
+    why = []
+    if cfg.norm != "rms":
+        why.append(f"{cfg.norm} norms (the engine has RMSNorm only)")
+    if cfg.positions != "rope":
+        why.append(f"{cfg.positions} positions (the engine has rotary positions only)")
+    if cfg.act not in _ACTS:
+        why.append(f"activation {cfg.act}")
+    return why
+
+
+class NativeBackend:
+    name = "native"
+
+    def __init__(self, model_dir: str | Path, max_batch: int = 1, max_seq_len: int = 2048, threads: int = 0,
+                 quantize: str | None = "int4", group_size: int = 32, symmetric: bool = True,
+                 quantize_lm_head: bool = True, model: nn.Module | None = None):
+        """model_dir: a Hugging Face checkpoint (pre-quantized AWQ / GPTQ ones run as they are). quantize: None
+        keeps float32 projections; int8 / int4 round to nearest per group (as `kvedge export --quantize`).
+        model: an already built (and quantized) Decoder to run instead of loading model_dir."""
+        if model is None:
+            if not (Path(model_dir) / "config.json").is_file():
+                raise KvedgeError(f"{model_dir}: the native backend loads a Hugging Face checkpoint (config.json)")
+            model = load_decoder(model_dir, dtype="float32")
+            if quantize and not getattr(model, "prequantized", None):
+                if quantize not in QUANT_BITS:
+                    raise KvedgeError(f"quantize {quantize!r}: expected int8, int4 or None")
+                quantize_decoder(model, QUANT_BITS[quantize], group_size, lm_head=quantize_lm_head,
+                                 accuracy_level=4, symmetric=symmetric)
+        cfg = self.cfg = model.cfg
+        why = unsupported(cfg)
+        if why:
+            raise KvedgeError(f"the native backend cannot run this {cfg.arch} model: {'; '.join(why)}; use the "
+                              f"onnxruntime or torch backend")
+        self.dll = compile_engine()
+        self.model = model
+        self.max_batch, self.max_seq_len = max_batch, max_seq_len
+        self.threads = threads or torch.get_num_threads()
+        keep = self._keep = _Keep()
+        shape = (max_batch, cfg.num_kv_heads, max_seq_len, cfg.head_dim)
+        self.caches = [torch.zeros(shape) for _ in range(2 * cfg.num_layers)]  # k0, v0, k1, v1, ...
+        layers = (Layer * cfg.num_layers)()
+        for i, (blk, ly) in enumerate(zip(model.layers, layers)):
+            for name in ("attn_norm", "mlp_norm", "q_norm", "k_norm", "post_attn_norm", "post_mlp_norm"):
+                norm = getattr(blk, name, None)
+                setattr(ly, name, keep(None if norm is None else norm.weight.detach().float().contiguous()))
+            for name in ("qkv", "o", "up", "down"):
+                setattr(ly, name, pack_linear(self.dll, getattr(blk, name), keep))
+            ly.window = blk.window or 0
+            ly.k_cache, ly.v_cache = self.caches[2 * i].data_ptr(), self.caches[2 * i + 1].data_ptr()
+        head = model.lm_head if hasattr(model, "lm_head") else lm_head_linear(model)
+        cos, sin = rope.tables(model.inv_freq.float(), max_seq_len, torch.float32)
+        self._layers = layers
+        self.m = Model(cfg.vocab_size, cfg.hidden_size, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                       cfg.intermediate_size, cfg.rotary_dim // 2, int(cfg.mlp == "glu"), _ACTS[cfg.act],
+                       int(cfg.norm_unit_offset), max_batch, max_seq_len, cfg.norm_eps, cfg.attn_scale,
+                       cfg.attn_softcap or 0.0, cfg.final_softcap or 0.0, cfg.embed_scale,
+                       keep(model.embed.weight.detach().float().contiguous()),
+                       keep(model.norm.weight.detach().float().contiguous()), pack_linear(self.dll, head, keep),
+                       keep(cos.contiguous()), keep(sin.contiguous()), layers)
+        self.logits = torch.empty((max_batch, 1, cfg.vocab_size))
+
+    def reset(self) -> None:
+        for t in self.caches:
+            t.zero_()
+
+    def cache_tensors(self) -> list[torch.Tensor]:
+        return self.caches
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                logits_index: torch.Tensor) -> torch.Tensor:
+        """Run one chunk [B, L]; returns a view of the preallocated logits [B, 1, V] (valid until the next call)."""
+        b, length = input_ids.shape
+        if b > self.max_batch:
+            raise KvedgeError(f"batch {b} exceeds max_batch {self.max_batch} of this session")
+        ids, pos, idx = (t.to(torch.int64).contiguous() for t in (input_ids, position_ids, logits_index))
+        if int(pos.max()) >= self.max_seq_len or int(pos.min()) < 0:
+            raise KvedgeError(f"positions {int(pos.min())}..{int(pos.max())} are outside the cache [0, "
+                              f"{self.max_seq_len})")
+        if self.dll.kv_forward(ctypes.byref(self.m), b, length, ids.data_ptr(), pos.data_ptr(), idx.data_ptr(),
+                               self.logits.data_ptr(), self.threads):
+            raise KvedgeError("the native engine ran out of memory for its scratch buffers")
+        return self.logits[:b]

@@ -1,0 +1,167 @@
+"""The native CPU engine against independent references.
+
+- Its quantized linear equals, within float rounding, the formula written out here: activations rounded
+  to int8 per 32 channels (scale max|x| / 127, half to even) times the dequantized weights, for INT4 and
+  INT8, symmetric and asymmetric groups of 32/64/128, and every tail shape of the 8-sub-block kernel;
+  for the AVX-VNNI build, an AVX2 build without VNNI and the portable C build.
+- The whole engine equals kvedge's PyTorch Decoder (itself checked against transformers) running the
+  same quantized weights with the same activation rounding, for every architecture it supports; and
+  in float32 it equals the PyTorch model and its greedy tokens, ragged batches and chunked prefill.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import platform
+import shutil
+
+import pytest
+import torch
+
+from kvedge.errors import KvedgeError
+from kvedge.models import KVCache, load_decoder
+from kvedge.models.quant import QuantLinear, dequantize, quantize_decoder
+from kvedge.runtime import Session, load
+from kvedge.runtime.native_backend import FLAGS, NativeBackend, _Keep, compile_engine, pack_linear
+from tests.conftest import ARCH_CASES, MAX_SEQ
+
+pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
+                                reason="the native engine needs a C compiler")
+
+# The kernels each build compiles: AVX-VNNI where the CPU has it (-march=native), AVX2 without VNNI, portable C.
+BUILDS = {"native": FLAGS}
+if platform.machine() in ("x86_64", "AMD64"):
+    BUILDS["avx2"] = tuple(f for f in FLAGS if f != "-march=native") + ("-mavx2", "-mfma")
+    BUILDS["portable"] = tuple(f for f in FLAGS if f != "-march=native")
+
+
+def fake_quant(x: torch.Tensor) -> torch.Tensor:
+    """x rounded to int8 per 32 channels (symmetric, scale max|x| / 127, round half to even), dequantized."""
+    xb = x.float().reshape(*x.shape[:-1], -1, 32)
+    amax = xb.abs().amax(-1, keepdim=True)
+    q = torch.round(xb * torch.where(amax > 0, 127 / amax, torch.zeros_like(amax)))
+    return (q * (amax / 127)).reshape(x.shape)
+
+
+@pytest.fixture(scope="module", params=list(BUILDS))
+def engine(request, tmp_path_factory):
+    return compile_engine(BUILDS[request.param], cache_dir=tmp_path_factory.mktemp("native"))
+
+
+def quant_linear(w, bits, group, symmetric):
+    lin = torch.nn.Linear(w.shape[1], w.shape[0], bias=False)
+    lin.weight.data = w
+    return QuantLinear(lin, bits, group, accuracy_level=4, symmetric=symmetric)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("symmetric", [True, False])
+@pytest.mark.parametrize("n,k,group", [(24, 32, 32), (16, 96, 32), (40, 576, 32), (9, 1536, 64), (8, 288, 32),
+                                       (8, 256, 128), (8, 544, 32)])
+def test_linear_equals_the_int8_activation_formula(engine, bits, symmetric, n, k, group):
+    torch.manual_seed(k + n + bits)
+    mod = quant_linear(torch.randn(n, k), bits, group, symmetric)
+    keep = _Keep()  # holds the tensors the engine's pointers refer to
+    lin = pack_linear(engine, mod, keep)
+    assert lin.sym == int(symmetric)
+    w = dequantize(mod.qweight, mod.scales, mod.zeros, bits, k)
+    for m in (1, 3):
+        x = torch.randn(m, k) * torch.linspace(0.1, 3, k)  # uneven magnitudes across sub-blocks
+        x[0, 32:64] = 0  # an all-zero sub-block has scale 0
+        y = torch.empty(m, n)
+        assert engine.kv_linear_forward(ctypes.byref(lin), m, x.data_ptr(), y.data_ptr(), 2) == 0
+        ref = fake_quant(x) @ w.T
+        torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
+        # and against the float activations: int8 rounding costs a few percent at most here
+        assert (y - x @ w.T).abs().max() <= 0.03 * (x @ w.T).abs().max()
+
+
+def test_pack_refuses_groups_that_are_not_whole_sub_blocks(engine):
+    mod = quant_linear(torch.randn(4, 48), 4, 16, True)
+    with pytest.raises(KvedgeError, match="multiples of 32"):
+        pack_linear(engine, mod, _Keep())
+
+
+NATIVE_CASES = [c for c in ARCH_CASES if c != "gpt2"]
+
+
+def _run(model, backend_or_cache, ids, pos, index):
+    """One chunk through either the native backend or the PyTorch model over its KVCache."""
+    if isinstance(backend_or_cache, NativeBackend):
+        return backend_or_cache.forward(ids, pos, index).clone()
+    with torch.no_grad():
+        return model(ids, pos, backend_or_cache.for_batch(ids.shape[0]), logit_index=index)
+
+
+@pytest.mark.parametrize("case", NATIVE_CASES)
+@pytest.mark.parametrize("bits,symmetric", [(4, True), (8, False), (0, None)])
+def test_engine_equals_the_pytorch_decoder(case, bits, symmetric, hf_checkpoint, monkeypatch):
+    path, _ = hf_checkpoint(case)
+    model = load_decoder(path, dtype="float32")
+    if bits:
+        quantize_decoder(model, bits, 32, lm_head=True, accuracy_level=4, symmetric=symmetric)
+    native = NativeBackend(path, max_batch=3, max_seq_len=MAX_SEQ, threads=2, model=model)
+    cache = KVCache.allocate(model.cfg, 3, MAX_SEQ, dtype=torch.float32)
+    if bits:  # the reference rounds its projections' inputs as the engine does
+        forward = QuantLinear.forward
+        monkeypatch.setattr(QuantLinear, "forward", lambda self, x: forward(self, fake_quant(x)))
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, model.cfg.vocab_size, (3, 9), generator=g)
+    pos = torch.arange(9).expand(3, -1).contiguous()
+    last = torch.tensor([8, 5, 2])  # ragged rows: their own last tokens
+    steps = [(ids, pos, last)]
+    for i in range(4):
+        steps.append((torch.randint(3, model.cfg.vocab_size, (3, 1), generator=g), (last + 1 + i)[:, None],
+                      torch.zeros(3, dtype=torch.long)))
+    for ids_, pos_, idx in steps:
+        got, want = _run(model, native, ids_, pos_, idx), _run(model, cache, ids_, pos_, idx)
+        # float32: rounding only. Quantized: a activation that lands within float error of a rounding
+        # boundary rounds the other way in one of the two, moving a logit by one int8 step (< 2% of its scale)
+        rel = 1e-5 if not bits else 2e-2
+        assert (got - want).abs().max() <= rel * want.abs().max(), case
+        assert torch.nn.functional.cosine_similarity(got.flatten(1), want.flatten(1)).min() > 1 - (1e-6 if not bits else 1e-3)
+    for mine, ref in zip(native.caches[0::2] + native.caches[1::2], cache.keys + cache.values):
+        torch.testing.assert_close(mine, ref, rtol=0, atol=(1e-5 if not bits else 0.1) * float(ref.abs().max()))
+
+
+def test_float32_greedy_tokens_and_chunked_prefill_equal_torch(hf_checkpoint):
+    path, _ = hf_checkpoint("llama-gqa4-llama3rope")
+    native = load(path, backend="native", quantize=None, max_batch=3, max_seq_len=MAX_SEQ, threads=2)
+    ref = load(path, backend="torch", max_batch=3, max_seq_len=MAX_SEQ, device="cpu")
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 160, (n,), generator=g).tolist() for n in (5, 17, 11)]
+    a = native.generate(prompts, max_new_tokens=12, eos_token_id=None)
+    b = ref.generate(prompts, max_new_tokens=12, eos_token_id=None)
+    c = Session(native.backend, chunk_size=4).generate(prompts, max_new_tokens=12, eos_token_id=None)
+    assert a.tokens == b.tokens == c.tokens
+
+
+def test_int4_greedy_tokens_mostly_follow_float32(hf_checkpoint):
+    """The default (int4, symmetric, lm_head too) on a random tiny model: a smoke bound, not a quality claim."""
+    path, _ = hf_checkpoint("llama-gqa2-bias")
+    prompt = list(range(3, 40))
+    a = load(path, backend="native", max_seq_len=MAX_SEQ).generate([prompt], max_new_tokens=8, eos_token_id=None)
+    b = load(path, backend="torch", max_batch=1, max_seq_len=MAX_SEQ).generate([prompt], max_new_tokens=8,
+                                                                               eos_token_id=None)
+    assert len(a.tokens[0]) == 8 and a.tokens[0][0] == b.tokens[0][0]
+
+
+def test_refusals(hf_checkpoint):
+    with pytest.raises(KvedgeError, match="layer norms"):
+        NativeBackend(hf_checkpoint("gpt2")[0])
+    path, _ = hf_checkpoint("llama-mha")
+    with pytest.raises(KvedgeError, match="quantize 'int3'"):
+        NativeBackend(path, quantize="int3")
+    b = NativeBackend(path, max_batch=1, max_seq_len=16)
+    with pytest.raises(KvedgeError, match="outside the cache"):
+        b.forward(torch.tensor([[5]]), torch.tensor([[16]]), torch.tensor([0]))
+    with pytest.raises(KvedgeError, match="exceeds max_batch"):
+        b.forward(torch.tensor([[5], [6]]), torch.tensor([[0], [0]]), torch.tensor([0, 0]))
+
+
+def test_missing_compiler_is_a_clear_error(monkeypatch, tmp_path):
+    from kvedge.errors import MissingDependencyError
+
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    with pytest.raises(MissingDependencyError, match="C compiler"):
+        compile_engine(cache_dir=tmp_path)
