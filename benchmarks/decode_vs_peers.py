@@ -1,6 +1,7 @@
-"""Decode tokens/s and prefill time of kvedge's onnxruntime backend against its CPU peers, in one run.
+"""Decode tokens/s and prefill time of kvedge's onnxruntime and native backends against CPU peers, in one run.
 
     python benchmarks/decode_vs_peers.py [--genai-python PATH] [--lowerings decomposed,onnx,ort]
+    python benchmarks/decode_vs_peers.py --genai-python PATH --quantize int4|int8   (adds the native backend)
 
 Model: SmolLM2-135M's shape with random weights, fp32, batch 1, prompt 128, generate 128 (greedy,
 EOS ignored), 2 threads. Peers, each measured here, now, on the same checkpoint:
@@ -160,6 +161,8 @@ def main() -> None:
                    "of --symmetric, which GenAI's builder uses by default (MatMulNBits without zero points)")
     p.add_argument("--accuracy-level", type=int, default=4, help="kvedge's MatMulNBits accuracy_level "
                    "(GenAI's builder uses 4: int8 activations)")
+    p.add_argument("--no-native", action="store_true", help="with --quantize, leave out kvedge's native backend "
+                   "(its C engine, symmetric groups of 32 and a quantized lm_head, as the ort export here)")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
 
@@ -188,8 +191,14 @@ def main() -> None:
                   f"{v['vs_unquantized']['top1_agreement']:.0%}", file=sys.stderr)
         sessions[low] = kvedge_session(out, a.threads)
         kvedge_once(sessions[low], prompt, 8)  # warm-up
+    if a.quantize and not a.no_native:  # kvedge's C engine over the same checkpoint, quantized the same way
+        from kvedge.runtime import load
+
+        sessions["native"] = load(ckpt, backend="native", quantize=a.quantize, max_seq_len=a.prompt + a.gen,
+                                  threads=a.threads)
+        kvedge_once(sessions["native"], prompt, 8)
     model = genai_model(a.genai_python, ckpt, work, a.threads, a.quantize or "fp32") if a.genai_python else None
-    runs: dict[str, list] = {"genai": [], **{low: [] for low in lowerings}}
+    runs: dict[str, list] = {"genai": [], **{name: [] for name in sessions}}
     for _ in range(a.repeat):  # in turns: a drift of the machine's speed falls on every runtime alike
         if model is not None:
             runs["genai"].append(genai_once(a.genai_python, model, a.prompt, a.gen))
@@ -202,8 +211,9 @@ def main() -> None:
         genai = median([r[0] for r in runs["genai"]]), median([r[1] for r in runs["genai"]])
         rows.append((f"onnxruntime-genai 0.18 {a.quantize or 'fp32'}", *genai))
     rows.append(("transformers generate fp32", hf[0], hf[1]))
-    for low in lowerings:
-        rows.append((f"kvedge onnxruntime ({low}) {a.quantize or 'fp32'}", median([r[0] for r in runs[low]]),
+    for low in sessions:
+        label = "kvedge native (C engine)" if low == "native" else f"kvedge onnxruntime ({low})"
+        rows.append((f"{label} {a.quantize or 'fp32'}", median([r[0] for r in runs[low]]),
                      median([r[1] for r in runs[low]])))
         same = "same" if runs[low][0][2] == hf[2] else "DIFFERENT (expected when quantized)"
         print(f"kvedge {low}: greedy tokens {same} as transformers", file=sys.stderr)
@@ -214,14 +224,14 @@ def main() -> None:
     if top:
         print("this machine, measured now: " + ", ".join(f"{k} {v:.1f}" for k, v in top[2].items())
               + f" -> decode <= {top[0]:.1f} tok/s, prefill >= {top[1] * 1e3:.1f} ms")
-    print(f"{'runtime':<30} {'prefill ms':>10} {'decode tok/s':>13} {'decode x genai':>15} {'prefill x genai':>16}"
+    print(f"{'runtime':<36} {'prefill ms':>10} {'decode tok/s':>13} {'decode x genai':>15} {'prefill x genai':>16}"
           f" {'decode/ceiling':>15} {'ceiling/prefill':>16}")
     for name, pre, dec in rows:
         r_dec = f"{dec / genai[1]:.2f}" if genai else "-"
         r_pre = f"{genai[0] / pre:.2f}" if genai else "-"
         c_dec = f"{dec / top[0]:.0%}" if top else "-"
         c_pre = f"{top[1] / pre:.0%}" if top else "-"
-        print(f"{name:<30} {pre * 1e3:10.1f} {dec:13.1f} {r_dec:>15} {r_pre:>16} {c_dec:>15} {c_pre:>16}")
+        print(f"{name:<36} {pre * 1e3:10.1f} {dec:13.1f} {r_dec:>15} {r_pre:>16} {c_dec:>15} {c_pre:>16}")
 
 
 if __name__ == "__main__":

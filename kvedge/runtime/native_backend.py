@@ -79,6 +79,7 @@ def compile_engine(flags: tuple[str, ...] = FLAGS, cache_dir: str | Path | None 
             raise KvedgeError(f"compiling {SOURCE.name} failed ({cc} {' '.join(flags)}):\n{r.stderr[-2000:]}")
         tmp.replace(lib)  # atomic: concurrent first uses each compile, one file wins
     dll = ctypes.CDLL(str(lib))
+    dll.kv_stride.argtypes = [ctypes.c_int]
     dll.kv_pack.argtypes = [ctypes.POINTER(Linear), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
     dll.kv_linear_forward.argtypes = [ctypes.POINTER(Linear), ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
                                       ctypes.c_int]
@@ -117,8 +118,8 @@ def pack_linear(dll: ctypes.CDLL, mod: nn.Module, keep: _Keep) -> Linear:
     zeros = (_unpack4(zeros, groups) if bits == 4 else zeros).contiguous()
     mid = 2 ** (bits - 1)
     sym = bool((zeros == mid).all())
-    nsb = k // 32
-    s, z = torch.empty(n * nsb, dtype=torch.float32), torch.empty(0 if sym else n * nsb, dtype=torch.uint8)
+    stride = dll.kv_stride(k)  # per-sub-block figures per row, padded to whole chunks of 8
+    s, z = torch.empty(n * stride, dtype=torch.float32), torch.empty(0 if sym else n * stride, dtype=torch.uint8)
     lin = Linear(n, k, bits, int(sym), float(mid), keep(mod.qweight.contiguous()), keep(s), keep(z) if not sym else 0,
                  0, bias)
     if dll.kv_pack(ctypes.byref(lin), keep(mod.scales.float().contiguous()), keep(zeros), group):

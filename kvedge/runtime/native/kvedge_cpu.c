@@ -14,7 +14,9 @@
  * ONNX Runtime's accuracy_level 4 scheme (int8 activations); the dot products are integer.
  * For speed, every 8 sub-blocks are reduced together: their scales are stored in the order the
  * reduction produces them (kv_slot), and the activations' per-sub-block figures are written in that
- * order too, so no shuffle happens per weight.
+ * order too, so no shuffle happens per weight. A call computes 4 weight rows against one activation
+ * row (shared activation loads, one final reduction for the four), and weight rows are prefetched
+ * ahead: decode reads every weight once per token, so it is a stream.
  */
 #include <math.h>
 #include <stdint.h>
@@ -40,44 +42,47 @@ typedef struct {
     const float *bias;        /* [n] or NULL */
 } kv_linear;
 
-/* Where sub-block sb of a row sits among the row's per-sub-block figures. Full chunks of 8 are
- * permuted as their reduction leaves them (4 bits: 0,2,4,6,1,3,5,7; 8 bits: in order); the tail
- * after the last full chunk is in order. */
-static inline int kv_slot(int bits, int nsb, int sb) {
-    int chunk = sb & ~7, i = sb & 7;
-    if (bits != 4 || chunk + 8 > nsb) return sb;
+/* Per-sub-block figures (scales, zero points, activation scales) are stored per row with a stride of
+ * whole chunks of 8 sub-blocks, zero-padded, so every chunk (the last partial one too) is reduced alike. */
+int kv_stride(int k) { return (k / SB + 7) & ~7; }
+
+/* Where sub-block sb sits among its row's figures: 4 bits, permuted within each chunk as its reduction
+ * leaves the sums (0,2,4,6,1,3,5,7); 8 bits, in order. */
+static inline int kv_slot(int bits, int sb) {
     static const int inv[8] = {0, 4, 1, 5, 2, 6, 3, 7};
-    return chunk + inv[i];
+    return bits == 4 ? (sb & ~7) + inv[sb & 7] : sb;
 }
 
-/* Fill l->s and l->z (allocated by the caller, n * k / 32 each) from per-group scales [n][k / group]
+/* Fill l->s and l->z (allocated by the caller, n * kv_stride(k) each) from per-group scales [n][k / group]
  * and, unless symmetric, unpacked zero points [n][k / group]. */
 int kv_pack(kv_linear *l, const float *scales, const uint8_t *zeros, int group) {
     if (l->k % SB || group % SB || l->k % group) return -1;
-    int nsb = l->k / SB, ng = l->k / group, per = group / SB;
+    int nsb = l->k / SB, ng = l->k / group, per = group / SB, st = kv_stride(l->k);
+    memset(l->s, 0, sizeof(float) * (size_t)l->n * st);
+    if (!l->sym) memset(l->z, 0, (size_t)l->n * st);
     for (int n = 0; n < l->n; n++)
         for (int sb = 0; sb < nsb; sb++) {
-            int slot = kv_slot(l->bits, nsb, sb);
-            l->s[(size_t)n * nsb + slot] = scales[(size_t)n * ng + sb / per];
-            if (!l->sym) l->z[(size_t)n * nsb + slot] = zeros[(size_t)n * ng + sb / per];
+            size_t at = (size_t)n * st + kv_slot(l->bits, sb);
+            l->s[at] = scales[(size_t)n * ng + sb / per];
+            if (!l->sym) l->z[at] = zeros[(size_t)n * ng + sb / per];
         }
     return 0;
 }
 
-/* Activations of one row, quantized for the kernels: xq in kernel byte order (4 bits: each pair of
- * sub-blocks as [sb0 even channels, sb1 even, sb0 odd, sb1 odd]; a lone last sub-block as [even, odd];
- * 8 bits: in order), sa and c = sa * sum(xq) per sub-block in kv_slot order. */
-typedef struct {
-    int8_t *xq;
-    float *sa, *c;
-} kv_act;
-
+/* One row of activations quantized for the kernels: xq [k] in kernel byte order (4 bits: each pair of
+ * sub-blocks as [sb0 even channels, sb1 even, sb0 odd, sb1 odd], a lone last sub-block as [even, odd];
+ * 8 bits: in order); sa and c = sa * sum(xq) [kv_stride(k)] per sub-block at kv_slot, zero-padded. */
 static void quantize_row(const float *x, int k, int bits, int8_t *xq, float *sa, float *c) {
     int nsb = k / SB;
+    memset(sa, 0, sizeof(float) * kv_stride(k));
+    memset(c, 0, sizeof(float) * kv_stride(k));
     for (int sb = 0; sb < nsb; sb++) {
         const float *v = x + sb * SB;
         float amax = 0.f;
-        for (int i = 0; i < SB; i++) amax = fmaxf(amax, fabsf(v[i]));
+        for (int i = 0; i < SB; i++) {
+            float a = fabsf(v[i]);
+            amax = a > amax ? a : amax;
+        }
         float d = amax / 127.f, id = amax > 0.f ? 127.f / amax : 0.f;
         int8_t qv[SB];
         int sum = 0;
@@ -85,7 +90,7 @@ static void quantize_row(const float *x, int k, int bits, int8_t *xq, float *sa,
             qv[i] = (int8_t)nearbyintf(v[i] * id);
             sum += qv[i];
         }
-        int slot = kv_slot(bits, nsb, sb);
+        int slot = kv_slot(bits, sb);
         sa[slot] = d;
         c[slot] = d * (float)sum;
         if (bits == 8) {
@@ -102,6 +107,8 @@ static void quantize_row(const float *x, int k, int bits, int8_t *xq, float *sa,
     }
 }
 
+#define ROWS 4 /* weight rows a kernel call computes together (sharing activation loads and the final sums) */
+
 #if defined(__AVX2__)
 static inline __m256i dot_u8s8(__m256i acc, __m256i u, __m256i s) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
@@ -116,13 +123,6 @@ static inline __m256i dot_u8s8(__m256i acc, __m256i u, __m256i s) {
 #endif
 }
 
-static inline int hsum_i32(__m256i v) {
-    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-    s = _mm_hadd_epi32(s, s);
-    s = _mm_hadd_epi32(s, s);
-    return _mm_cvtsi128_si32(s);
-}
-
 static inline float hsum_f32(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_hadd_ps(s, s);
@@ -130,7 +130,7 @@ static inline float hsum_f32(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-/* integer dot of one 8-bit sub-block (32 u8 weights x 32 s8 activations) */
+/* integer dot of one 8-bit sub-block: 32 u8 weights x 32 s8 activations, in 8 lanes */
 static inline __m256i dot8(const uint8_t *q, const int8_t *a) {
     __m256i w = _mm256_loadu_si256((const __m256i *)q);
     return dot_u8s8(_mm256_setzero_si256(), w, _mm256_loadu_si256((const __m256i *)a));
@@ -145,86 +145,100 @@ static inline __m256i dot4_pair(const uint8_t *q, const int8_t *a) {
     return dot_u8s8(acc, hi, _mm256_loadu_si256((const __m256i *)(a + 32)));
 }
 
-/* one output of a quantized linear for one activation row */
-static float qdot(const kv_linear *l, int n, const int8_t *xq, const float *sa, const float *c) {
-    int nsb = l->k / SB, full = nsb & ~7;
-    const float *sw = l->s + (size_t)n * nsb;
-    const uint8_t *zr = l->sym ? NULL : l->z + (size_t)n * nsb;
+/* a lone last 4-bit sub-block (16 bytes, activations [even, odd]): lanes 0-3 its partial sums, 4-7 zero */
+static inline __m256i dot4_lone(const uint8_t *q, const int8_t *a) {
+    const __m128i m = _mm_set1_epi8(0x0F);
+    __m128i b = _mm_loadu_si128((const __m128i *)q);
+    __m256i w = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), m), _mm_and_si128(b, m));
+    __m256i p = dot_u8s8(_mm256_setzero_si256(), w, _mm256_loadu_si256((const __m256i *)a));
+    return _mm256_zextsi128_si256(_mm_add_epi32(_mm256_castsi256_si128(p), _mm256_extracti128_si256(p, 1)));
+}
+
+/* the integer sums of the `have` (1..8) sub-blocks of a chunk, in kv_slot order */
+static inline __attribute__((always_inline)) __m256i chunk_sums(const int bits, const uint8_t *q, const int8_t *a,
+                                                                const int have) {
+    const __m256i zero = _mm256_setzero_si256();
+    if (bits == 4) {
+        __m256i p[4];
+        for (int i = 0; i < 4; i++) {
+            int left = have - 2 * i;
+            p[i] = left >= 2 ? dot4_pair(q + 32 * i, a + 64 * i) : left == 1 ? dot4_lone(q + 32 * i, a + 64 * i) : zero;
+        }
+        return _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
+    }
+    __m256i v[8];
+    for (int i = 0; i < 8; i++) v[i] = i < have ? dot8(q + 32 * i, a + 32 * i) : zero;
+    __m256i g0 = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+    __m256i g1 = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
+    return _mm256_add_epi32(_mm256_permute2x128_si256(g0, g1, 0x20), _mm256_permute2x128_si256(g0, g1, 0x31));
+}
+
+/* out[i] = row n0 + i of a quantized linear . one activation row, i < ROWS (rows past the end repeat the last) */
+static inline __attribute__((always_inline)) void qdot_rows_bits(const kv_linear *l, const int bits, int n0,
+                                                                 const int8_t *xq, const float *sa, const float *c,
+                                                                 float *out) {
+    int nsb = l->k / SB, st = kv_stride(l->k);
+    size_t rb = (size_t)l->k * bits / 8, sbb = SB * bits / 8;
+    const uint8_t *q[ROWS];
+    const float *sw[ROWS];
+    const uint8_t *zr[ROWS];
+    __m256 acc[ROWS];
+    for (int i = 0; i < ROWS; i++) {
+        size_t row = (size_t)(n0 + i < l->n ? n0 + i : l->n - 1);
+        q[i] = l->q + row * rb;
+        sw[i] = l->s + row * st;
+        zr[i] = l->sym ? NULL : l->z + row * st;
+        acc[i] = _mm256_setzero_ps();
+    }
     const __m256 zs = _mm256_set1_ps(l->zsym);
-    __m256 acc = _mm256_setzero_ps();
-    size_t rowbytes = (size_t)l->k * l->bits / 8;
-    const uint8_t *q = l->q + (size_t)n * rowbytes;
-    for (int sb = 0; sb < full; sb += 8) {
-        __m256i r;
-        if (l->bits == 4) {
-            const uint8_t *qq = q + sb * 16;
-            const int8_t *aa = xq + sb * SB;
-            __m256i p0 = dot4_pair(qq, aa), p1 = dot4_pair(qq + 32, aa + 64);
-            __m256i p2 = dot4_pair(qq + 64, aa + 128), p3 = dot4_pair(qq + 96, aa + 192);
-            r = _mm256_hadd_epi32(_mm256_hadd_epi32(p0, p1), _mm256_hadd_epi32(p2, p3));
-        } else {
-            const uint8_t *qq = q + sb * 32;
-            const int8_t *aa = xq + sb * SB;
-            __m256i g0 = _mm256_hadd_epi32(_mm256_hadd_epi32(dot8(qq, aa), dot8(qq + 32, aa + 32)),
-                                           _mm256_hadd_epi32(dot8(qq + 64, aa + 64), dot8(qq + 96, aa + 96)));
-            __m256i g1 = _mm256_hadd_epi32(_mm256_hadd_epi32(dot8(qq + 128, aa + 128), dot8(qq + 160, aa + 160)),
-                                           _mm256_hadd_epi32(dot8(qq + 192, aa + 192), dot8(qq + 224, aa + 224)));
-            r = _mm256_add_epi32(_mm256_permute2x128_si256(g0, g1, 0x20), _mm256_permute2x128_si256(g0, g1, 0x31));
+    for (int sb = 0; sb < nsb; sb += 8) {
+        __m256 sav = _mm256_loadu_ps(sa + sb), cv = _mm256_loadu_ps(c + sb);
+        for (int i = 0; i < ROWS; i++) {
+            __m256i r = sb + 8 <= nsb ? chunk_sums(bits, q[i] + sb * sbb, xq + sb * SB, 8)
+                                      : chunk_sums(bits, q[i] + sb * sbb, xq + sb * SB, nsb - sb);
+            __m256 z = zr[i] ? _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(zr[i] + sb))))
+                             : zs;
+            __m256 t = _mm256_fnmadd_ps(z, cv, _mm256_mul_ps(_mm256_cvtepi32_ps(r), sav));
+            acc[i] = _mm256_fmadd_ps(t, _mm256_loadu_ps(sw[i] + sb), acc[i]);
         }
-        __m256 z = zr ? _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(zr + sb)))) : zs;
-        __m256 t = _mm256_fnmadd_ps(z, _mm256_loadu_ps(c + sb),
-                                    _mm256_mul_ps(_mm256_cvtepi32_ps(r), _mm256_loadu_ps(sa + sb)));
-        acc = _mm256_fmadd_ps(t, _mm256_loadu_ps(sw + sb), acc);
     }
-    float y = hsum_f32(acc);
-    for (int sb = full; sb < nsb; sb++) { /* the tail, in order */
-        int d;
-        if (l->bits == 8) {
-            d = hsum_i32(dot8(q + sb * 32, xq + sb * SB));
-        } else if ((sb & 1) == 0 && sb + 1 < nsb) {
-            __m256i p = dot4_pair(q + sb * 16, xq + sb * SB);
-            int d1 = hsum_i32(_mm256_blend_epi32(_mm256_setzero_si256(), p, 0xF0));
-            d = hsum_i32(_mm256_blend_epi32(_mm256_setzero_si256(), p, 0x0F));
-            float z1 = zr ? zr[sb + 1] : l->zsym;
-            y += sw[sb + 1] * (sa[sb + 1] * (float)d1 - z1 * c[sb + 1]);
-            float z0 = zr ? zr[sb] : l->zsym;
-            y += sw[sb] * (sa[sb] * (float)d - z0 * c[sb]);
-            sb++;
-            continue;
-        } else { /* a lone last 4-bit sub-block: activations as [even, odd] */
-            d = 0;
-            const uint8_t *qq = q + sb * 16;
-            const int8_t *aa = xq + sb * SB;
-            for (int i = 0; i < 16; i++) d += (qq[i] & 15) * aa[i] + (qq[i] >> 4) * aa[16 + i];
-        }
-        float z = zr ? zr[sb] : l->zsym;
-        y += sw[sb] * (sa[sb] * (float)d - z * c[sb]);
-    }
-    return y;
+    /* the four rows' sums at once: lanes [0 1 2 3] of the two halves of h, added */
+    __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
+    _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+}
+
+static void qdot_rows(const kv_linear *l, int n0, const int8_t *xq, const float *sa, const float *c, float *out) {
+    if (l->bits == 4)
+        qdot_rows_bits(l, 4, n0, xq, sa, c, out);
+    else
+        qdot_rows_bits(l, 8, n0, xq, sa, c, out);
 }
 #else /* portable C: the same arithmetic, one channel at a time */
-static float qdot(const kv_linear *l, int n, const int8_t *xq, const float *sa, const float *c) {
-    int nsb = l->k / SB;
-    const float *sw = l->s + (size_t)n * nsb;
-    size_t rowbytes = (size_t)l->k * l->bits / 8;
-    const uint8_t *q = l->q + (size_t)n * rowbytes;
-    float y = 0.f;
-    for (int sb = 0; sb < nsb; sb++) {
-        int d = 0;
-        if (l->bits == 8) {
-            for (int i = 0; i < SB; i++) d += q[sb * SB + i] * xq[sb * SB + i];
-        } else {
-            int pair = sb & ~1, lone = (pair + 1 == nsb);
-            const int8_t *base = xq + pair * SB;
-            int half = lone ? 16 : 32, off = lone ? 0 : (sb & 1) * 16;
-            const uint8_t *qq = q + sb * 16;
-            for (int i = 0; i < 16; i++) d += (qq[i] & 15) * base[off + i] + (qq[i] >> 4) * base[half + off + i];
+static void qdot_rows(const kv_linear *l, int n0, const int8_t *xq, const float *sa, const float *c, float *out) {
+    int nsb = l->k / SB, st = kv_stride(l->k);
+    size_t rb = (size_t)l->k * l->bits / 8;
+    for (int i = 0; i < ROWS; i++) {
+        int n = n0 + i < l->n ? n0 + i : l->n - 1;
+        const float *sw = l->s + (size_t)n * st;
+        const uint8_t *q = l->q + (size_t)n * rb;
+        float y = 0.f;
+        for (int sb = 0; sb < nsb; sb++) {
+            int d = 0;
+            if (l->bits == 8) {
+                for (int j = 0; j < SB; j++) d += q[sb * SB + j] * xq[sb * SB + j];
+            } else {
+                int pair = sb & ~1, lone = (pair + 1 == nsb);
+                const int8_t *base = xq + pair * SB;
+                int half = lone ? 16 : 32, off = lone ? 0 : (sb & 1) * 16;
+                const uint8_t *qq = q + sb * 16;
+                for (int j = 0; j < 16; j++) d += (qq[j] & 15) * base[off + j] + (qq[j] >> 4) * base[half + off + j];
+            }
+            int slot = kv_slot(l->bits, sb);
+            float z = l->sym ? l->zsym : l->z[(size_t)n * st + slot];
+            y += sw[slot] * (sa[slot] * (float)d - z * c[slot]);
         }
-        int slot = kv_slot(l->bits, nsb, sb);
-        float z = l->sym ? l->zsym : l->z[(size_t)n * nsb + slot];
-        y += sw[slot] * (sa[slot] * (float)d - z * c[slot]);
+        out[i] = y;
     }
-    return y;
 }
 #endif
 
@@ -235,39 +249,43 @@ static float fdot(const float *a, const float *b, int k) {
     return s;
 }
 
-/* y[m][n] = x[m] . W[n] (+ bias) for m rows; called inside a parallel region (rows of W split) */
+/* y[m][n] = x[m] . W[n] (+ bias) for m rows; called inside a parallel region (tiles of ROWS rows of W
+ * split between the threads). xq, sa, c: scratch for m rows (m * k bytes, m * kv_stride(k) floats). */
 static void linear_rows(const kv_linear *l, int m, const float *x, float *y, int8_t *xq, float *sa, float *c) {
-    int nsb = l->k / SB;
+    int st = kv_stride(l->k);
     if (!l->w) {
 #pragma omp for schedule(static)
         for (int r = 0; r < m; r++)
-            quantize_row(x + (size_t)r * l->k, l->k, l->bits, xq + (size_t)r * l->k, sa + (size_t)r * nsb,
-                         c + (size_t)r * nsb);
+            quantize_row(x + (size_t)r * l->k, l->k, l->bits, xq + (size_t)r * l->k, sa + (size_t)r * st,
+                         c + (size_t)r * st);
     }
+    size_t rb = (size_t)l->k * l->bits / 8;
+    int ahead = ((int)(PREFETCH_BYTES / rb) + ROWS) & ~(ROWS - 1);
 #pragma omp for schedule(static)
-    for (int n = 0; n < l->n; n++) {
-        float b = l->bias ? l->bias[n] : 0.f;
-        size_t rb = (size_t)l->k * l->bits / 8;
-        int ahead = (int)(PREFETCH_BYTES / rb) + 1;
-        if (!l->w && n + ahead < l->n) { /* decode streams every weight once: fetch ahead */
-            const char *nq = (const char *)(l->q + (size_t)(n + ahead) * rb);
-            for (size_t o = 0; o < rb; o += 64) __builtin_prefetch(nq + o);
-            const char *ns = (const char *)(l->s + (size_t)(n + ahead) * nsb);
-            for (size_t o = 0; o < sizeof(float) * nsb; o += 64) __builtin_prefetch(ns + o);
+    for (int n0 = 0; n0 < l->n; n0 += ROWS) {
+        int rows = l->n - n0 < ROWS ? l->n - n0 : ROWS;
+        if (!l->w && n0 + ahead + ROWS <= l->n) { /* decode streams every weight once: fetch ahead */
+            const char *nq = (const char *)(l->q + (size_t)(n0 + ahead) * rb);
+            for (size_t o = 0; o < ROWS * rb; o += 64) __builtin_prefetch(nq + o);
+            const char *ns = (const char *)(l->s + (size_t)(n0 + ahead) * st);
+            for (size_t o = 0; o < sizeof(float) * ROWS * st; o += 64) __builtin_prefetch(ns + o);
         }
         for (int r = 0; r < m; r++) {
-            float v = l->w ? fdot(x + (size_t)r * l->k, l->w + (size_t)n * l->k, l->k)
-                           : qdot(l, n, xq + (size_t)r * l->k, sa + (size_t)r * nsb, c + (size_t)r * nsb);
-            y[(size_t)r * l->n + n] = v + b;
+            float out[ROWS];
+            if (l->w)
+                for (int i = 0; i < rows; i++) out[i] = fdot(x + (size_t)r * l->k, l->w + (size_t)(n0 + i) * l->k, l->k);
+            else
+                qdot_rows(l, n0, xq + (size_t)r * l->k, sa + (size_t)r * st, c + (size_t)r * st, out);
+            for (int i = 0; i < rows; i++) y[(size_t)r * l->n + n0 + i] = out[i] + (l->bias ? l->bias[n0 + i] : 0.f);
         }
     }
 }
 
 /* y = x W^T for m rows, on `threads` threads: the entry point the tests and benchmarks call */
 int kv_linear_forward(const kv_linear *l, int m, const float *x, float *y, int threads) {
-    int nsb = l->k / SB;
+    int st = kv_stride(l->k);
     int8_t *xq = malloc((size_t)m * l->k);
-    float *sa = malloc(sizeof(float) * (size_t)m * nsb), *c = malloc(sizeof(float) * (size_t)m * nsb);
+    float *sa = malloc(sizeof(float) * (size_t)m * st), *c = malloc(sizeof(float) * (size_t)m * st);
     if (!xq || !sa || !c) return -1;
 #pragma omp parallel num_threads(threads)
     linear_rows(l, m, x, y, xq, sa, c);
@@ -368,7 +386,7 @@ static void attend(const kv_model *m, const float *q, const float *kc, const flo
         float s = fdot(q, kc + (size_t)j * d, d) * m->attn_scale;
         if (m->attn_softcap > 0.f) s = tanhf(s / m->attn_softcap) * m->attn_softcap;
         scores[j] = s;
-        mx = fmaxf(mx, s);
+        mx = s > mx ? s : mx;
     }
     float inv = 1.f / softmax_exp(scores, n, mx);
     for (int i = 0; i < d; i++) out[i] = 0.f;
@@ -394,7 +412,7 @@ int kv_forward(const kv_model *m, int B, int L, const int64_t *ids, const int64_
     float *t = malloc(sizeof(float) * (size_t)M * max3(qkv_n, up_n, H));
     float *a = malloc(sizeof(float) * (size_t)M * (hq * d > m->inter ? hq * d : m->inter));
     int8_t *xq = malloc((size_t)M * kmax);
-    float *sa = malloc(sizeof(float) * (size_t)M * kmax / SB), *c = malloc(sizeof(float) * (size_t)M * kmax / SB);
+    float *sa = malloc(sizeof(float) * (size_t)M * kv_stride(kmax)), *c = malloc(sizeof(float) * (size_t)M * kv_stride(kmax));
     float *scores = malloc(sizeof(float) * (size_t)(threads > 0 ? threads : 1) * m->max_seq);
     if (!x || !h || !t || !a || !xq || !sa || !c || !scores) {
         free(x), free(h), free(t), free(a), free(xq), free(sa), free(c), free(scores);
