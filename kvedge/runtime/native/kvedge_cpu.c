@@ -383,25 +383,62 @@ static float softmax_exp(float *s, int n, float mx) {
     return sum;
 }
 
-/* one query head over its KV head's cache slots [lo, p] */
-static void attend(const kv_model *m, const float *q, const float *kc, const float *vc, int lo, int p,
-                   float *scores, float *out) {
-    int d = m->d, n = p - lo + 1;
-    float mx = -INFINITY;
-    kc += (size_t)lo * d, vc += (size_t)lo * d;
-    for (int j = 0; j < n; j++) {
-        float s = fdot(q, kc + (size_t)j * d, d) * m->attn_scale;
-        if (m->attn_softcap > 0.f) s = tanhf(s / m->attn_softcap) * m->attn_softcap;
-        scores[j] = s;
-        mx = s > mx ? s : mx;
+#define QB 4 /* queries of one row and head attended together: each K and V row is loaded once for them */
+
+/* Queries i < nq (consecutive positions p0 + i of one row, one head) over their KV head's cache: query i
+ * sees slots [lo_i, p0 + i], lo_i = max(0, p0 + i - window + 1) (window 0: none). scores: QB * max_seq. */
+static void attend(const kv_model *m, const float *const *q, int nq, int p0, int window, const float *kc,
+                   const float *vc, float *scores, float *const *out) {
+    int d = m->d, lo[QB], hi = p0 + nq - 1;
+    for (int i = 0; i < QB; i++) {
+        int p = p0 + (i < nq ? i : nq - 1);
+        lo[i] = window > 0 && p - window + 1 > 0 ? p - window + 1 : 0;
     }
-    float inv = 1.f / softmax_exp(scores, n, mx);
-    for (int i = 0; i < d; i++) out[i] = 0.f;
-    for (int j = 0; j < n; j++) {
-        float w = scores[j] * inv;
+    int first = lo[0];
+    float *sc[QB], mx[QB];
+    for (int i = 0; i < QB; i++) sc[i] = scores + (size_t)i * m->max_seq, mx[i] = -INFINITY;
+    for (int j = first; j <= hi; j++) {
+        const float *k = kc + (size_t)j * d;
+        float s[QB];
+#if defined(__AVX2__)
+        if (d % 8 == 0 && nq > 1) {
+            __m256 acc[QB];
+            for (int i = 0; i < QB; i++) acc[i] = _mm256_setzero_ps();
+            for (int t = 0; t < d; t += 8) {
+                __m256 kv = _mm256_loadu_ps(k + t);
+#pragma GCC unroll 4
+                for (int i = 0; i < QB; i++) acc[i] = _mm256_fmadd_ps(_mm256_loadu_ps(q[i < nq ? i : 0] + t), kv, acc[i]);
+            }
+            __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
+            _mm_storeu_ps(s, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+        } else
+#endif
+            for (int i = 0; i < nq; i++) s[i] = fdot(q[i], k, d);
+        for (int i = 0; i < nq; i++) {
+            if (j < lo[i] || j > p0 + i) continue;
+            float v = s[i] * m->attn_scale;
+            if (m->attn_softcap > 0.f) v = tanhf(v / m->attn_softcap) * m->attn_softcap;
+            sc[i][j] = v;
+            mx[i] = v > mx[i] ? v : mx[i];
+        }
+    }
+    for (int i = 0; i < QB; i++) {
+        if (i < nq) {
+            float inv = 1.f / softmax_exp(sc[i] + lo[i], p0 + i - lo[i] + 1, mx[i]);
+            for (int j = lo[i]; j <= p0 + i; j++) sc[i][j] *= inv;
+        }
+        for (int j = first; j <= hi; j++) /* weight 0 outside each query's slots (and for absent queries) */
+            if (i >= nq || j < lo[i] || j > p0 + i) sc[i][j] = 0.f;
+        for (int t = 0; t < d; t++) out[i < nq ? i : 0][t] = 0.f;
+    }
+    for (int j = first; j <= hi; j++) {
         const float *v = vc + (size_t)j * d;
+        for (int i = 0; i < nq; i++) {
+            float w = sc[i][j];
+            float *o = out[i];
 #pragma omp simd
-        for (int i = 0; i < d; i++) out[i] += w * v[i];
+            for (int t = 0; t < d; t++) o[t] += w * v[t];
+        }
     }
 }
 
@@ -420,14 +457,14 @@ int kv_forward(const kv_model *m, int B, int L, const int64_t *ids, const int64_
     float *a = malloc(sizeof(float) * (size_t)M * (hq * d > m->inter ? hq * d : m->inter));
     int8_t *xq = malloc((size_t)M * kmax);
     float *sa = malloc(sizeof(float) * (size_t)M * kv_stride(kmax)), *c = malloc(sizeof(float) * (size_t)M * kv_stride(kmax));
-    float *scores = malloc(sizeof(float) * (size_t)(threads > 0 ? threads : 1) * m->max_seq);
+    float *scores = malloc(sizeof(float) * (size_t)(threads > 0 ? threads : 1) * QB * m->max_seq);
     if (!x || !h || !t || !a || !xq || !sa || !c || !scores) {
         free(x), free(h), free(t), free(a), free(xq), free(sa), free(c), free(scores);
         return -1;
     }
 #pragma omp parallel num_threads(threads)
     {
-        float *sc = scores + (size_t)omp_get_thread_num() * m->max_seq;
+        float *sc = scores + (size_t)omp_get_thread_num() * QB * m->max_seq;
 #pragma omp for schedule(static)
         for (int r = 0; r < M; r++)
             for (int i = 0; i < H; i++) x[(size_t)r * H + i] = m->embed[(size_t)ids[r] * H + i] * m->embed_scale;
@@ -453,15 +490,22 @@ int kv_forward(const kv_model *m, int B, int L, const int64_t *ids, const int64_
                         memcpy(ly->v_cache + slot, v + (size_t)hkv * d, sizeof(float) * d);
                     }
                 }
-#pragma omp for schedule(static) collapse(2)
-            for (int r = 0; r < M; r++)
-                for (int hh = 0; hh < hq; hh++) {
-                    int b = r / L, kh = hh / g;
-                    int p = (int)pos[r], lo = ly->window > 0 && p - ly->window + 1 > 0 ? p - ly->window + 1 : 0;
-                    size_t base = ((size_t)b * hkv + kh) * m->max_seq * d;
-                    attend(m, t + (size_t)r * qkv_n + (size_t)hh * d, ly->k_cache + base, ly->v_cache + base, lo, p,
-                           sc, a + (size_t)r * hq * d + (size_t)hh * d);
-                }
+            int blocks = (L + QB - 1) / QB;
+#pragma omp for schedule(static, 1) collapse(3)
+            for (int b = 0; b < B; b++)
+                for (int hh = 0; hh < hq; hh++)
+                    for (int blk = 0; blk < blocks; blk++) {
+                        int r0 = b * L + blk * QB, nq = L - blk * QB < QB ? L - blk * QB : QB;
+                        const float *qs[QB];
+                        float *outs[QB];
+                        for (int i = 0; i < QB; i++) {
+                            int r = r0 + (i < nq ? i : 0);
+                            qs[i] = t + (size_t)r * qkv_n + (size_t)hh * d;
+                            outs[i] = a + (size_t)r * hq * d + (size_t)hh * d;
+                        }
+                        size_t base = ((size_t)b * hkv + hh / g) * m->max_seq * d;
+                        attend(m, qs, nq, (int)pos[r0], ly->window, ly->k_cache + base, ly->v_cache + base, sc, outs);
+                    }
             linear_rows(&ly->o, M, a, t, xq, sa, c);
 #pragma omp for schedule(static)
             for (int r = 0; r < M; r++) {
