@@ -133,119 +133,147 @@ static inline float hsum_f32(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-/* integer dot of one 8-bit sub-block: 32 u8 weights x 32 s8 activations, in 8 lanes */
-static inline __m256i dot8(const uint8_t *q, const int8_t *a) {
-    __m256i w = _mm256_loadu_si256((const __m256i *)q);
-    return dot_u8s8(_mm256_setzero_si256(), w, _mm256_loadu_si256((const __m256i *)a));
-}
-
-/* 4-bit pair of sub-blocks (32 bytes): lanes 0-3 hold the first's partial sums, lanes 4-7 the second's */
-static inline __m256i dot4_pair(const uint8_t *q, const int8_t *a) {
-    const __m256i m = _mm256_set1_epi8(0x0F);
-    __m256i b = _mm256_loadu_si256((const __m256i *)q);
-    __m256i lo = _mm256_and_si256(b, m), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), m);
-    __m256i acc = dot_u8s8(_mm256_setzero_si256(), lo, _mm256_loadu_si256((const __m256i *)a));
-    return dot_u8s8(acc, hi, _mm256_loadu_si256((const __m256i *)(a + 32)));
-}
-
-/* a lone last 4-bit sub-block (16 bytes, activations [even, odd]): lanes 0-3 its partial sums, 4-7 zero */
-static inline __m256i dot4_lone(const uint8_t *q, const int8_t *a) {
-    const __m128i m = _mm_set1_epi8(0x0F);
-    __m128i b = _mm_loadu_si128((const __m128i *)q);
-    __m256i w = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), m), _mm_and_si128(b, m));
-    __m256i p = dot_u8s8(_mm256_setzero_si256(), w, _mm256_loadu_si256((const __m256i *)a));
-    return _mm256_zextsi128_si256(_mm_add_epi32(_mm256_castsi256_si128(p), _mm256_extracti128_si256(p, 1)));
-}
-
-/* the integer sums of the `have` (1..8) sub-blocks of a chunk, in kv_slot order */
-static inline __attribute__((always_inline)) __m256i chunk_sums(const int bits, const uint8_t *q, const int8_t *a,
-                                                                const int have) {
+/* The integer sums of the `have` (1..8) sub-blocks of a chunk, in kv_slot order, for rm activation
+ * rows (a[j] + off): each weight byte is loaded and unpacked once for all of them. */
+static inline __attribute__((always_inline)) void chunk_sums(const int bits, const int rm, const uint8_t *q,
+                                                             const int8_t *const *a, size_t off, const int have,
+                                                             __m256i *r) {
     const __m256i zero = _mm256_setzero_si256();
     if (bits == 4) {
-        __m256i p[4];
+        const __m256i m = _mm256_set1_epi8(0x0F);
+        __m256i p[2][4];
 #pragma GCC unroll 4
         for (int i = 0; i < 4; i++) {
             int left = have - 2 * i;
-            p[i] = left >= 2 ? dot4_pair(q + 32 * i, a + 64 * i) : left == 1 ? dot4_lone(q + 32 * i, a + 64 * i) : zero;
+            if (left >= 2) { /* a pair: lanes 0-3 the first sub-block's partial sums, lanes 4-7 the second's */
+                __m256i b = _mm256_loadu_si256((const __m256i *)(q + 32 * i));
+                __m256i lo = _mm256_and_si256(b, m), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), m);
+                for (int j = 0; j < rm; j++) {
+                    const int8_t *aa = a[j] + off + 64 * i;
+                    __m256i acc = dot_u8s8(zero, lo, _mm256_loadu_si256((const __m256i *)aa));
+                    p[j][i] = dot_u8s8(acc, hi, _mm256_loadu_si256((const __m256i *)(aa + 32)));
+                }
+            } else if (left == 1) { /* a lone last sub-block (activations [even, odd]): lanes 0-3, 4-7 zero */
+                const __m128i m16 = _mm_set1_epi8(0x0F);
+                __m128i b = _mm_loadu_si128((const __m128i *)(q + 32 * i));
+                __m256i w = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), m16), _mm_and_si128(b, m16));
+                for (int j = 0; j < rm; j++) {
+                    __m256i v = dot_u8s8(zero, w, _mm256_loadu_si256((const __m256i *)(a[j] + off + 64 * i)));
+                    p[j][i] = _mm256_zextsi128_si256(_mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1)));
+                }
+            } else {
+                for (int j = 0; j < rm; j++) p[j][i] = zero;
+            }
         }
-        return _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
+        for (int j = 0; j < rm; j++)
+            r[j] = _mm256_hadd_epi32(_mm256_hadd_epi32(p[j][0], p[j][1]), _mm256_hadd_epi32(p[j][2], p[j][3]));
+        return;
     }
-    __m256i v[8];
+    __m256i v[2][8];
 #pragma GCC unroll 8
-    for (int i = 0; i < 8; i++) v[i] = i < have ? dot8(q + 32 * i, a + 32 * i) : zero;
-    __m256i g0 = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
-    __m256i g1 = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
-    return _mm256_add_epi32(_mm256_permute2x128_si256(g0, g1, 0x20), _mm256_permute2x128_si256(g0, g1, 0x31));
+    for (int i = 0; i < 8; i++) {
+        if (i < have) {
+            __m256i w = _mm256_loadu_si256((const __m256i *)(q + 32 * i));
+            for (int j = 0; j < rm; j++)
+                v[j][i] = dot_u8s8(zero, w, _mm256_loadu_si256((const __m256i *)(a[j] + off + 32 * i)));
+        } else {
+            for (int j = 0; j < rm; j++) v[j][i] = zero;
+        }
+    }
+    for (int j = 0; j < rm; j++) {
+        __m256i g0 = _mm256_hadd_epi32(_mm256_hadd_epi32(v[j][0], v[j][1]), _mm256_hadd_epi32(v[j][2], v[j][3]));
+        __m256i g1 = _mm256_hadd_epi32(_mm256_hadd_epi32(v[j][4], v[j][5]), _mm256_hadd_epi32(v[j][6], v[j][7]));
+        r[j] = _mm256_add_epi32(_mm256_permute2x128_si256(g0, g1, 0x20), _mm256_permute2x128_si256(g0, g1, 0x31));
+    }
 }
 
-/* out[i] = row n0 + i of a quantized linear . one activation row, i < ROWS (rows past the end repeat the last) */
-static inline __attribute__((always_inline)) void qdot_rows_bits(const kv_linear *l, const int bits, int n0,
-                                                                 const int8_t *xq, const float *sa, const float *c,
+/* out[j * ROWS + i] = row n0 + i of a quantized linear . activation row j, for i < ROWS (rows past the end
+ * repeat the last) and j < rm (1 or 2: a second activation row reuses every weight load) */
+static inline __attribute__((always_inline)) void qdot_rows_bits(const kv_linear *l, const int bits, const int rm,
+                                                                 int n0, const int8_t *const *xq,
+                                                                 const float *const *sa, const float *const *c,
                                                                  float *out) {
     int nsb = l->k / SB, st = kv_stride(l->k);
     size_t rb = (size_t)l->k * bits / 8, sbb = SB * bits / 8;
     const uint8_t *q[ROWS];
     const float *sw[ROWS];
     const uint8_t *zr[ROWS];
-    __m256 acc[ROWS];
+    __m256 acc[ROWS][2];
 #pragma GCC unroll 4
     for (int i = 0; i < ROWS; i++) {
         size_t row = (size_t)(n0 + i < l->n ? n0 + i : l->n - 1);
         q[i] = l->q + row * rb;
         sw[i] = l->s + row * st;
         zr[i] = l->sym ? NULL : l->z + row * st;
-        acc[i] = _mm256_setzero_ps();
+        acc[i][0] = acc[i][1] = _mm256_setzero_ps();
     }
     const __m256 zs = _mm256_set1_ps(l->zsym);
     for (int sb = 0; sb < nsb; sb += 8) {
-        __m256 sav = _mm256_loadu_ps(sa + sb), cv = _mm256_loadu_ps(c + sb);
+        __m256 sav[2], cv[2];
+        for (int j = 0; j < rm; j++) sav[j] = _mm256_loadu_ps(sa[j] + sb), cv[j] = _mm256_loadu_ps(c[j] + sb);
 #pragma GCC unroll 4
         for (int i = 0; i < ROWS; i++) {
-            __m256i r = sb + 8 <= nsb ? chunk_sums(bits, q[i] + sb * sbb, xq + sb * SB, 8)
-                                      : chunk_sums(bits, q[i] + sb * sbb, xq + sb * SB, nsb - sb);
+            __m256i r[2];
+            if (sb + 8 <= nsb)
+                chunk_sums(bits, rm, q[i] + sb * sbb, xq, (size_t)sb * SB, 8, r);
+            else
+                chunk_sums(bits, rm, q[i] + sb * sbb, xq, (size_t)sb * SB, nsb - sb, r);
             __m256 z = zr[i] ? _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(zr[i] + sb))))
                              : zs;
-            __m256 t = _mm256_fnmadd_ps(z, cv, _mm256_mul_ps(_mm256_cvtepi32_ps(r), sav));
-            acc[i] = _mm256_fmadd_ps(t, _mm256_loadu_ps(sw[i] + sb), acc[i]);
+            __m256 w = _mm256_loadu_ps(sw[i] + sb);
+            for (int j = 0; j < rm; j++) {
+                __m256 t = _mm256_fnmadd_ps(z, cv[j], _mm256_mul_ps(_mm256_cvtepi32_ps(r[j]), sav[j]));
+                acc[i][j] = _mm256_fmadd_ps(t, w, acc[i][j]);
+            }
         }
     }
-    /* the four rows' sums at once: lanes [0 1 2 3] of the two halves of h, added */
-    __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
-    _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+    for (int j = 0; j < rm; j++) { /* four rows' sums at once: lanes [0 1 2 3] of the two halves of h, added */
+        __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(acc[0][j], acc[1][j]), _mm256_hadd_ps(acc[2][j], acc[3][j]));
+        _mm_storeu_ps(out + j * ROWS, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+    }
 }
 
-static void qdot_rows(const kv_linear *l, int n0, const int8_t *xq, const float *sa, const float *c, float *out) {
-    if (l->bits == 4)
-        qdot_rows_bits(l, 4, n0, xq, sa, c, out);
+static void qdot_rows(const kv_linear *l, int rm, int n0, const int8_t *const *xq, const float *const *sa,
+                      const float *const *c, float *out) {
+    if (l->bits == 4 && rm == 2)
+        qdot_rows_bits(l, 4, 2, n0, xq, sa, c, out);
+    else if (l->bits == 4)
+        qdot_rows_bits(l, 4, 1, n0, xq, sa, c, out);
+    else if (rm == 2)
+        qdot_rows_bits(l, 8, 2, n0, xq, sa, c, out);
     else
-        qdot_rows_bits(l, 8, n0, xq, sa, c, out);
+        qdot_rows_bits(l, 8, 1, n0, xq, sa, c, out);
 }
 #else /* portable C: the same arithmetic, one channel at a time */
-static void qdot_rows(const kv_linear *l, int n0, const int8_t *xq, const float *sa, const float *c, float *out) {
+static void qdot_rows(const kv_linear *l, int rm, int n0, const int8_t *const *xqs, const float *const *sas,
+                      const float *const *cs, float *out) {
     int nsb = l->k / SB, st = kv_stride(l->k);
     size_t rb = (size_t)l->k * l->bits / 8;
-    for (int i = 0; i < ROWS; i++) {
-        int n = n0 + i < l->n ? n0 + i : l->n - 1;
-        const float *sw = l->s + (size_t)n * st;
-        const uint8_t *q = l->q + (size_t)n * rb;
-        float y = 0.f;
-        for (int sb = 0; sb < nsb; sb++) {
-            int d = 0;
-            if (l->bits == 8) {
-                for (int j = 0; j < SB; j++) d += q[sb * SB + j] * xq[sb * SB + j];
-            } else {
-                int pair = sb & ~1, lone = (pair + 1 == nsb);
-                const int8_t *base = xq + pair * SB;
-                int half = lone ? 16 : 32, off = lone ? 0 : (sb & 1) * 16;
-                const uint8_t *qq = q + sb * 16;
-                for (int j = 0; j < 16; j++) d += (qq[j] & 15) * base[off + j] + (qq[j] >> 4) * base[half + off + j];
+    for (int j = 0; j < rm; j++)
+        for (int i = 0; i < ROWS; i++) {
+            const int8_t *xq = xqs[j];
+            const float *sa = sas[j], *c = cs[j];
+            int n = n0 + i < l->n ? n0 + i : l->n - 1;
+            const float *sw = l->s + (size_t)n * st;
+            const uint8_t *q = l->q + (size_t)n * rb;
+            float y = 0.f;
+            for (int sb = 0; sb < nsb; sb++) {
+                int d = 0;
+                if (l->bits == 8) {
+                    for (int t = 0; t < SB; t++) d += q[sb * SB + t] * xq[sb * SB + t];
+                } else {
+                    int pair = sb & ~1, lone = (pair + 1 == nsb);
+                    const int8_t *base = xq + pair * SB;
+                    int half = lone ? 16 : 32, off = lone ? 0 : (sb & 1) * 16;
+                    const uint8_t *qq = q + sb * 16;
+                    for (int t = 0; t < 16; t++) d += (qq[t] & 15) * base[off + t] + (qq[t] >> 4) * base[half + off + t];
+                }
+                int slot = kv_slot(l->bits, sb);
+                float z = l->sym ? l->zsym : l->z[(size_t)n * st + slot];
+                y += sw[slot] * (sa[slot] * (float)d - z * c[slot]);
             }
-            int slot = kv_slot(l->bits, sb);
-            float z = l->sym ? l->zsym : l->z[(size_t)n * st + slot];
-            y += sw[slot] * (sa[slot] * (float)d - z * c[slot]);
+            out[j * ROWS + i] = y;
         }
-        out[i] = y;
-    }
 }
 #endif
 
@@ -277,13 +305,22 @@ static void linear_rows(const kv_linear *l, int m, const float *x, float *y, int
             const char *ns = (const char *)(l->s + (size_t)(n0 + ahead) * st);
             for (size_t o = 0; o < sizeof(float) * ROWS * st; o += 64) __builtin_prefetch(ns + o, 0, PREFETCH_LOCALITY);
         }
-        for (int r = 0; r < m; r++) {
-            float out[ROWS];
-            if (l->w)
-                for (int i = 0; i < rows; i++) out[i] = fdot(x + (size_t)r * l->k, l->w + (size_t)(n0 + i) * l->k, l->k);
-            else
-                qdot_rows(l, n0, xq + (size_t)r * l->k, sa + (size_t)r * st, c + (size_t)r * st, out);
-            for (int i = 0; i < rows; i++) y[(size_t)r * l->n + n0 + i] = out[i] + (l->bias ? l->bias[n0 + i] : 0.f);
+        for (int r = 0; r < m; r += 2) {
+            int rm = r + 1 < m ? 2 : 1;
+            float out[2 * ROWS];
+            if (l->w) {
+                for (int j = 0; j < rm; j++)
+                    for (int i = 0; i < rows; i++)
+                        out[j * ROWS + i] = fdot(x + (size_t)(r + j) * l->k, l->w + (size_t)(n0 + i) * l->k, l->k);
+            } else {
+                const int8_t *xs[2] = {xq + (size_t)r * l->k, xq + (size_t)(r + rm - 1) * l->k};
+                const float *ss[2] = {sa + (size_t)r * st, sa + (size_t)(r + rm - 1) * st};
+                const float *cc[2] = {c + (size_t)r * st, c + (size_t)(r + rm - 1) * st};
+                qdot_rows(l, rm, n0, xs, ss, cc, out);
+            }
+            for (int j = 0; j < rm; j++)
+                for (int i = 0; i < rows; i++)
+                    y[(size_t)(r + j) * l->n + n0 + i] = out[j * ROWS + i] + (l->bias ? l->bias[n0 + i] : 0.f);
         }
     }
 }
