@@ -81,18 +81,40 @@ static void quantize_row(const float *x, int k, int bits, int8_t *xq, float *sa,
     memset(c, 0, sizeof(float) * kv_stride(k));
     for (int sb = 0; sb < nsb; sb++) {
         const float *v = x + sb * SB;
+        int8_t qv[SB];
+        int sum = 0;
+#if defined(__AVX2__) /* the same arithmetic: cvtps rounds half to even, as nearbyintf does by default */
+        __m256 v0 = _mm256_loadu_ps(v), v1 = _mm256_loadu_ps(v + 8), v2 = _mm256_loadu_ps(v + 16),
+               v3 = _mm256_loadu_ps(v + 24), sign = _mm256_set1_ps(-0.f);
+        __m256 mx = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v0), _mm256_andnot_ps(sign, v1)),
+                                  _mm256_max_ps(_mm256_andnot_ps(sign, v2), _mm256_andnot_ps(sign, v3)));
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
+        float amax = _mm_cvtss_f32(m4);
+        float d = amax / 127.f, id = amax > 0.f ? 127.f / amax : 0.f;
+        __m256 idv = _mm256_set1_ps(id);
+        __m256i q0 = _mm256_cvtps_epi32(_mm256_mul_ps(v0, idv)), q1 = _mm256_cvtps_epi32(_mm256_mul_ps(v1, idv));
+        __m256i q2 = _mm256_cvtps_epi32(_mm256_mul_ps(v2, idv)), q3 = _mm256_cvtps_epi32(_mm256_mul_ps(v3, idv));
+        __m256i s4 = _mm256_add_epi32(_mm256_add_epi32(q0, q1), _mm256_add_epi32(q2, q3));
+        __m128i s1 = _mm_add_epi32(_mm256_castsi256_si128(s4), _mm256_extracti128_si256(s4, 1));
+        s1 = _mm_hadd_epi32(s1, s1);
+        sum = _mm_cvtsi128_si32(_mm_hadd_epi32(s1, s1));
+        /* to bytes: the packs leave each lane's dwords as [q0 q1 q2 q3] quarters; put them back in order */
+        __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(q0, q1), _mm256_packs_epi32(q2, q3));
+        _mm256_storeu_si256((__m256i *)qv, _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+#else
         float amax = 0.f;
         for (int i = 0; i < SB; i++) {
             float a = fabsf(v[i]);
             amax = a > amax ? a : amax;
         }
         float d = amax / 127.f, id = amax > 0.f ? 127.f / amax : 0.f;
-        int8_t qv[SB];
-        int sum = 0;
         for (int i = 0; i < SB; i++) {
             qv[i] = (int8_t)nearbyintf(v[i] * id);
             sum += qv[i];
         }
+#endif
         int slot = kv_slot(bits, sb);
         sa[slot] = d;
         c[slot] = d * (float)sum;
