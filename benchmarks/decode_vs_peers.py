@@ -8,15 +8,17 @@ EOS ignored), 2 threads. Peers, each measured here, now, on the same checkpoint:
 - ONNX Runtime GenAI (its own model builder and generate loop), when --genai-python names a Python
   with onnxruntime-genai installed (it is not a kvedge dependency: its pins may differ from ours);
 - Hugging Face transformers `generate` (the PyTorch eager reference).
-Figures are medians of --repeat runs after a warm-up; ratios are against GenAI in the same run. The
-runtimes take turns run by run (GenAI, then each kvedge lowering, then again), so a drift of this
-shared machine's speed over the minutes of a run falls on all of them alike.
+Figures are medians of --repeat runs, each in a fresh process after a warm-up generation; ratios are
+against GenAI in the same run. The runtimes take turns run by run (GenAI, then each kvedge runtime,
+then again), so a drift of this shared machine's speed over the minutes of a run falls on all of them
+alike, and no runtime's threads or caches are left over from another's turn.
 
-For fp32 it also measures this machine's ceilings in the same run, so the figures can be read against
-physics rather than only against peers: decode reads every weight once per token (the tied embedding
-in full, as the lm_head), so tokens/s <= read bandwidth / weight bytes; prefill of the prompt is
-2 * weights * tokens FLOPs of matrix products, so its time >= FLOPs / the fp32 GEMM rate measured on
-the model's own projection shapes.
+It also measures this machine's ceilings in the same run, so the figures can be read against physics
+rather than only against peers: decode reads every weight once per token (the tied embedding in full,
+as the lm_head), so tokens/s <= read bandwidth / weight bytes (quantized: the integers and an fp32
+scale per group of 32; the bandwidth is measured over a buffer of that size); for fp32, prefill of the
+prompt is 2 * weights * tokens FLOPs of matrix products, so its time >= FLOPs / the fp32 GEMM rate
+measured on the model's own projection shapes.
 """
 
 from __future__ import annotations
@@ -60,15 +62,18 @@ def median(xs):
     return statistics.median(xs)
 
 
-def ceilings(ckpt: Path, prompt_len: int) -> tuple[float, float, dict]:
-    """(max decode tokens/s, min prefill seconds, the measured rates) for the fp32 checkpoint here."""
+def ceilings(ckpt: Path, prompt_len: int, bits: int | None = None, group: int = 32):
+    """(max decode tokens/s, min prefill seconds or None, the measured rates) for the checkpoint here, its
+    projections and lm_head in fp32 or, with bits, as weight-only integers with an fp32 scale per group."""
     from kvedge.models import load_decoder
 
     model = load_decoder(ckpt)
     cfg = model.cfg
     linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
     head = cfg.vocab_size * cfg.hidden_size if cfg.tie_embeddings else 0
-    big = torch.randn(linear + head)
+    per = 4 if bits is None else bits / 8 + 4 / group  # bytes read per weight
+    weight_bytes = (linear + head) * per
+    big = torch.randn(int(weight_bytes // 4))  # read bandwidth over a buffer of that size (cache vs DRAM)
 
     def rate(fn, work, n=10):
         fn()
@@ -78,6 +83,9 @@ def ceilings(ckpt: Path, prompt_len: int) -> tuple[float, float, dict]:
         return work * n / (time.perf_counter() - t)
 
     read_bps = max(rate(big.sum, big.numel() * 4) for _ in range(3))  # best of three: a ceiling
+    figures = {"read GB/s": read_bps / 1e9, "weight MB read per token": weight_bytes * 1e-6}
+    if bits is not None:  # int8 / int4 prefill runs on integer dot products: no fp32 GEMM ceiling
+        return read_bps / weight_bytes, None, figures
     h, i = cfg.hidden_size, cfg.intermediate_size
     x = torch.randn(prompt_len, h)
     gemms = [torch.randn(h, cfg.qkv_size), torch.randn(h, 2 * i), torch.randn(i, h)]
@@ -87,20 +95,33 @@ def ceilings(ckpt: Path, prompt_len: int) -> tuple[float, float, dict]:
     lm_head = cfg.vocab_size * h
     # every projection for each prompt token, the lm_head for the last one only
     prefill_flops = 2 * prompt_len * (linear + head - lm_head) + 2 * lm_head
-    return read_bps / ((linear + head) * 4), prefill_flops / gemm_fps, {
-        "read GB/s": read_bps / 1e9, "fp32 GEMM GFLOP/s": gemm_fps / 1e9, "weight MB read per token": (linear + head) * 4e-6}
+    return read_bps / weight_bytes, prefill_flops / gemm_fps, {**figures, "fp32 GEMM GFLOP/s": gemm_fps / 1e9}
 
 
-def kvedge_session(export_dir: Path, threads: int):
+# One kvedge generation in a fresh process, as GenAI's runner: no runtime's threads (ONNX Runtime's spin
+# after a run, OpenMP's) or caches are left over from another's turn.
+KVEDGE_RUNNER = textwrap.dedent("""
+    import json, sys, torch
     from kvedge.runtime import load
+    path, backend, quantize = sys.argv[1], sys.argv[2], sys.argv[3]
+    prompt_len, gen, threads = int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6])
+    torch.set_num_threads(threads)
+    kw = dict(quantize=None if quantize == "none" else quantize, max_seq_len=prompt_len + gen, max_batch=1) \
+        if backend == "native" else {}
+    s = load(path, backend, threads=threads, **kw)
+    prompt = [0] + list(range(3, 3 + prompt_len - 1))
+    s.generate([prompt], max_new_tokens=gen, eos_token_id=None)  # warm-up, as GenAI's runner does
+    r = s.generate([prompt], max_new_tokens=gen, eos_token_id=None)
+    print(json.dumps({"prefill_s": r.prefill_s, "decode_tps": r.decode_tokens_per_s, "tokens": r.tokens[0]}))
+""")
 
-    return load(export_dir, threads=threads)
 
-
-def kvedge_once(session, prompt: list[int], gen: int):
-    """(prefill s, decode tokens/s, tokens) of one generation."""
-    r = session.generate([prompt], max_new_tokens=gen, eos_token_id=None)
-    return r.prefill_s, r.decode_tokens_per_s, r.tokens[0]
+def kvedge_once(path: Path, backend: str, quantize: str | None, prompt_len: int, gen: int, threads: int):
+    """(prefill s, decode tokens/s, tokens) of one generation, after a warm-up one, in a fresh process."""
+    r = subprocess.run([sys.executable, "-c", KVEDGE_RUNNER, str(path), backend, quantize or "none", str(prompt_len),
+                        str(gen), str(threads)], check=True, capture_output=True, text=True)
+    d = json.loads(r.stdout.strip().splitlines()[-1])
+    return d["prefill_s"], d["decode_tps"], d["tokens"]
 
 
 def bench_transformers(ckpt: Path, prompt: list[int], gen: int, repeat: int):
@@ -168,12 +189,13 @@ def main() -> None:
 
     from kvedge.export import ExportOptions, export
     from kvedge.models.demo import write_demo_checkpoint
+    from kvedge.models.quant import QUANT_BITS
 
     work = Path(a.work or tempfile.mkdtemp(prefix="kvedge-peers-"))
     ckpt = write_demo_checkpoint(work / "smollm2-135m", "smollm2-135m")
     prompt = [0] + list(range(3, 3 + a.prompt - 1))
     lowerings = ["ort"] if a.quantize else a.lowerings.split(",")
-    sessions = {}
+    runners = {}  # name -> (path, backend) of each kvedge runtime
     for low in lowerings:
         out = work / f"kvedge-{low}-{a.quantize or 'fp32'}-acc{a.accuracy_level}{'-asym' if a.asymmetric else ''}"
         if not (out / "kvedge.json").is_file():
@@ -189,21 +211,16 @@ def main() -> None:
             v = Sidecar.read(out).verification
             print(f"kvedge {low} {a.quantize}: cosine vs quantized PyTorch {v['min_cosine']:.4f}, top-1 vs fp32 "
                   f"{v['vs_unquantized']['top1_agreement']:.0%}", file=sys.stderr)
-        sessions[low] = kvedge_session(out, a.threads)
-        kvedge_once(sessions[low], prompt, 8)  # warm-up
+        runners[low] = (out, "onnxruntime")
     if a.quantize and not a.no_native:  # kvedge's C engine over the same checkpoint, quantized the same way
-        from kvedge.runtime import load
-
-        sessions["native"] = load(ckpt, backend="native", quantize=a.quantize, max_seq_len=a.prompt + a.gen,
-                                  threads=a.threads)
-        kvedge_once(sessions["native"], prompt, 8)
+        runners["native"] = (ckpt, "native")
     model = genai_model(a.genai_python, ckpt, work, a.threads, a.quantize or "fp32") if a.genai_python else None
-    runs: dict[str, list] = {"genai": [], **{name: [] for name in sessions}}
+    runs: dict[str, list] = {"genai": [], **{name: [] for name in runners}}
     for _ in range(a.repeat):  # in turns: a drift of the machine's speed falls on every runtime alike
         if model is not None:
             runs["genai"].append(genai_once(a.genai_python, model, a.prompt, a.gen))
-        for low, session in sessions.items():
-            runs[low].append(kvedge_once(session, prompt, a.gen))
+        for name, (path, backend) in runners.items():
+            runs[name].append(kvedge_once(path, backend, a.quantize, a.prompt, a.gen, a.threads))
     hf = bench_transformers(ckpt, prompt, a.gen, a.repeat)
     rows = []
     genai = None
@@ -211,26 +228,25 @@ def main() -> None:
         genai = median([r[0] for r in runs["genai"]]), median([r[1] for r in runs["genai"]])
         rows.append((f"onnxruntime-genai 0.18 {a.quantize or 'fp32'}", *genai))
     rows.append(("transformers generate fp32", hf[0], hf[1]))
-    for low in sessions:
+    for low in runners:
         label = "kvedge native (C engine)" if low == "native" else f"kvedge onnxruntime ({low})"
         rows.append((f"{label} {a.quantize or 'fp32'}", median([r[0] for r in runs[low]]),
                      median([r[1] for r in runs[low]])))
         same = "same" if runs[low][0][2] == hf[2] else "DIFFERENT (expected when quantized)"
         print(f"kvedge {low}: greedy tokens {same} as transformers", file=sys.stderr)
 
-    print(f"SmolLM2-135M shape (random weights), fp32, batch 1, prompt {a.prompt}, gen {a.gen}, "
+    print(f"SmolLM2-135M shape (random weights), {a.quantize or 'fp32'}, batch 1, prompt {a.prompt}, gen {a.gen}, "
           f"{a.threads} threads, median of {a.repeat}")
-    top = None if a.quantize else ceilings(ckpt, a.prompt)
-    if top:
-        print("this machine, measured now: " + ", ".join(f"{k} {v:.1f}" for k, v in top[2].items())
-              + f" -> decode <= {top[0]:.1f} tok/s, prefill >= {top[1] * 1e3:.1f} ms")
+    top = ceilings(ckpt, a.prompt, QUANT_BITS[a.quantize] if a.quantize else None)
+    print("this machine, measured now: " + ", ".join(f"{k} {v:.1f}" for k, v in top[2].items())
+          + f" -> decode <= {top[0]:.1f} tok/s" + (f", prefill >= {top[1] * 1e3:.1f} ms" if top[1] else ""))
     print(f"{'runtime':<36} {'prefill ms':>10} {'decode tok/s':>13} {'decode x genai':>15} {'prefill x genai':>16}"
           f" {'decode/ceiling':>15} {'ceiling/prefill':>16}")
     for name, pre, dec in rows:
         r_dec = f"{dec / genai[1]:.2f}" if genai else "-"
         r_pre = f"{genai[0] / pre:.2f}" if genai else "-"
-        c_dec = f"{dec / top[0]:.0%}" if top else "-"
-        c_pre = f"{top[1] / pre:.0%}" if top else "-"
+        c_dec = f"{dec / top[0]:.0%}" if not (a.quantize and name.startswith("transformers")) else "-"
+        c_pre = f"{top[1] / pre:.0%}" if top[1] else "-"
         print(f"{name:<36} {pre * 1e3:10.1f} {dec:13.1f} {r_dec:>15} {r_pre:>16} {c_dec:>15} {c_pre:>16}")
 
 

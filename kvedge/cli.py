@@ -158,9 +158,31 @@ def _sessions(args, export_dir, ckpt, names, max_seq_len, max_batch):
             if export_dir is None:
                 raise KvedgeError("the tensorrt backend needs an export folder with model.engine (kvedge build)")
             opened[name] = lambda: load(export_dir, "tensorrt")
+        elif name == "native":
+            if ckpt is None:
+                raise KvedgeError("the native backend needs the checkpoint; the export does not record a readable "
+                                  "one: pass --reference CHECKPOINT")
+            opened[name] = lambda: _native_session(ckpt, export_dir, args.threads, max_seq_len, max_batch)
         else:
-            raise KvedgeError(f"unknown backend {name!r}; choose from onnxruntime, torch, tensorrt")
+            raise KvedgeError(f"unknown backend {name!r}; choose from onnxruntime, torch, tensorrt, native")
     return opened
+
+
+def _native_session(ckpt: Path, export_dir: Path | None, threads: int, max_seq_len: int, max_batch: int):
+    """The native backend on the checkpoint, quantized as the export was (the same round-to-nearest integers),
+    float32 for an unquantized export; a pre-quantized checkpoint runs as it is."""
+    from kvedge.export.contract import Sidecar
+    from kvedge.runtime import Session
+    from kvedge.runtime.native_backend import NativeBackend
+
+    q = (Sidecar.read(export_dir).extra.get("quantization") or {}) if export_dir is not None else {}
+    if q and not q.get("pre_quantized") and q.get("method", "rtn") != "rtn":
+        raise KvedgeError(f"{export_dir} was quantized with {q['method']}; the native backend quantizes the checkpoint "
+                          f"round-to-nearest and would not run the same weights. Compare an RTN export")
+    opts = {} if q.get("pre_quantized") else dict(
+        quantize=q.get("scheme"), group_size=q.get("group_size", 32), symmetric=bool(q.get("symmetric")),
+        quantize_lm_head=bool(q.get("lm_head")))
+    return Session(NativeBackend(ckpt, max_batch=max_batch, max_seq_len=max_seq_len, threads=threads, **opts))
 
 
 def cmd_bench(args) -> int:
@@ -430,7 +452,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("bench", help="latency and memory per backend: table, JSON, CSV, Markdown and PNG plots")
     s.add_argument("path", help="export folder (onnxruntime; torch via its source checkpoint) or checkpoint")
-    s.add_argument("--backend", default="onnxruntime,torch", help="comma-separated: onnxruntime,torch")
+    s.add_argument("--backend", default="onnxruntime,torch", help="comma-separated: onnxruntime,torch,native,"
+                   "tensorrt (native: kvedge's C engine on the export's checkpoint, quantized as the export was)")
     s.add_argument("--prompt-lens", default="128,512")
     s.add_argument("--gen-len", type=int, default=128)
     s.add_argument("--batch", default="1", help="comma-separated batch sizes")

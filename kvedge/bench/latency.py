@@ -5,7 +5,8 @@ Every figure says what it is:
 - prefill_tokens_per_s: batch * prompt_len / prefill time;
 - decode ms/token p50/p90/p99: each decode step timed alone (one token for every row);
   decode_tokens_per_s = 1000 / mean ms per step (per sequence), decode_tokens_per_s_total = that x batch;
-- weights_bytes: parameter bytes (torch) or initializer bytes in the ONNX file (onnxruntime);
+- weights_bytes: parameter bytes (torch), initializer bytes in the ONNX file (onnxruntime), or what the
+  native engine reads besides its caches (native);
 - kv_formula_bytes (2 * layers * kv_heads * head_dim * bytes * max_seq_len * max_batch) and
   kv_allocated_bytes (the backend's cache tensors): they must agree;
 - peak_rss_bytes: the process's peak resident set while this backend loaded and ran (Linux: VmHWM,
@@ -78,6 +79,8 @@ def peak_rss() -> int:
 def weights_bytes(backend) -> int:
     if backend.name == "torch":
         return sum(p.numel() * p.element_size() for p in backend.model.parameters())
+    if backend.name == "native":
+        return backend.weights_bytes()
     import onnx
     from onnx import helper
 

@@ -190,6 +190,11 @@ class NativeBackend:
                        keep(cos.contiguous()), keep(sin.contiguous()), layers)
         self.logits = torch.empty((max_batch, 1, cfg.vocab_size))
 
+    def weights_bytes(self) -> int:
+        """Bytes of everything the engine reads besides the caches (weights, scales, norms, RoPE tables)."""
+        seen = {t.data_ptr(): t.numel() * t.element_size() for t in self._keep.tensors}
+        return sum(seen.values())
+
     def reset(self) -> None:
         for t in self.caches:
             t.zero_()

@@ -165,3 +165,26 @@ def test_missing_compiler_is_a_clear_error(monkeypatch, tmp_path):
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     with pytest.raises(MissingDependencyError, match="C compiler"):
         compile_engine(cache_dir=tmp_path)
+
+
+def test_bench_runs_the_native_backend_quantized_as_the_export_was(exported, hf_checkpoint, tmp_path):
+    from kvedge.cli import _native_session, main
+
+    case = "llama-gqa2-bias"
+    out, _ = exported(case, "ort", quantize="int4", symmetric=True, quantize_lm_head=True, group_size=32,
+                      allow_degraded=True)  # random tiny weights: int4 is far from fp32, speed only
+    session = _native_session(hf_checkpoint(case)[0], out, threads=2, max_seq_len=MAX_SEQ, max_batch=1)
+    be = session.backend
+    assert all(isinstance(getattr(blk, n), QuantLinear) and getattr(blk, n).bits == 4
+               for blk in be.model.layers for n in ("qkv", "o", "up", "down"))
+    assert isinstance(be.model.lm_head, QuantLinear) and be.m.lm_head.sym == 1 and be.m.lm_head.bits == 4
+    report = tmp_path / "report"
+    assert main(["bench", str(out), "--backend", "onnxruntime,native", "--prompt-lens", "8", "--gen-len", "4",
+                 "--repeat", "1", "--warmup", "0", "-o", str(report), "--quiet"]) == 0
+    import json
+
+    rows = {r["backend"]: r for r in json.loads((report / "bench.json").read_text())["results"]}
+    assert rows["native"]["kv_formula_bytes"] == rows["native"]["kv_allocated_bytes"]
+    # int4 weights + an fp32 scale per 32 are well under the float32 checkpoint's bytes
+    fp32 = sum(p.numel() * 4 for p in load_decoder(hf_checkpoint(case)[0]).parameters())
+    assert 0 < rows["native"]["weights_bytes"] < fp32
