@@ -255,6 +255,61 @@ static inline __attribute__((always_inline)) void qdot_rows_bits(const kv_linear
     }
 }
 
+/* 8 bits, as qdot_rows_bits, without horizontal sums per sub-block: each sub-block's 8 lanes of integer
+ * partial sums are converted and scaled by sw * sa broadcast from memory (load ports, not shuffles), and
+ * the zero-point term sum(sw * z * c) is a plain vector dot over the sub-blocks. */
+static inline __attribute__((always_inline)) void qdot_rows8(const kv_linear *l, const int rm, int n0,
+                                                             const int8_t *const *xq, const float *const *sa,
+                                                             const float *const *c, float *out) {
+    int nsb = l->k / SB, st = kv_stride(l->k);
+    const uint8_t *q[ROWS];
+    const float *sw[ROWS];
+    const uint8_t *zr[ROWS];
+    __m256 acc[ROWS][2], accz[ROWS][2];
+    const __m256i zero = _mm256_setzero_si256();
+#pragma GCC unroll 4
+    for (int i = 0; i < ROWS; i++) {
+        size_t row = (size_t)(n0 + i < l->n ? n0 + i : l->n - 1);
+        q[i] = l->q + row * l->k;
+        sw[i] = l->s + row * st;
+        zr[i] = l->sym ? NULL : l->z + row * st;
+        acc[i][0] = acc[i][1] = accz[i][0] = accz[i][1] = _mm256_setzero_ps();
+    }
+    for (int sb = 0; sb < nsb; sb += 8) {
+        int have = nsb - sb < 8 ? nsb - sb : 8;
+        float prod[ROWS][2][8];
+#pragma GCC unroll 4
+        for (int i = 0; i < ROWS; i++) {
+            __m256 w = _mm256_loadu_ps(sw[i] + sb);
+            __m256 wz = zr[i] ? _mm256_mul_ps(w, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
+                                                     _mm_loadl_epi64((const __m128i *)(zr[i] + sb)))))
+                              : w;
+            for (int j = 0; j < rm; j++) {
+                _mm256_storeu_ps(prod[i][j], _mm256_mul_ps(w, _mm256_loadu_ps(sa[j] + sb)));
+                accz[i][j] = _mm256_fmadd_ps(wz, _mm256_loadu_ps(c[j] + sb), accz[i][j]);
+            }
+        }
+        for (int t = 0; t < have; t++) {
+            size_t off = (size_t)(sb + t) * SB;
+#pragma GCC unroll 4
+            for (int i = 0; i < ROWS; i++) {
+                __m256i w = _mm256_loadu_si256((const __m256i *)(q[i] + off));
+                for (int j = 0; j < rm; j++) {
+                    __m256i v = dot_u8s8(zero, w, _mm256_loadu_si256((const __m256i *)(xq[j] + off)));
+                    acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), _mm256_broadcast_ss(&prod[i][j][t]), acc[i][j]);
+                }
+            }
+        }
+    }
+    const __m256 zs = _mm256_set1_ps(l->zsym);
+    for (int j = 0; j < rm; j++) {
+        __m256 f[ROWS];
+        for (int i = 0; i < ROWS; i++) f[i] = _mm256_fnmadd_ps(zr[i] ? _mm256_set1_ps(1.f) : zs, accz[i][j], acc[i][j]);
+        __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(f[0], f[1]), _mm256_hadd_ps(f[2], f[3]));
+        _mm_storeu_ps(out + j * ROWS, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+    }
+}
+
 static void qdot_rows(const kv_linear *l, int rm, int n0, const int8_t *const *xq, const float *const *sa,
                       const float *const *c, float *out) {
     if (l->bits == 4 && rm == 2)
@@ -262,9 +317,9 @@ static void qdot_rows(const kv_linear *l, int rm, int n0, const int8_t *const *x
     else if (l->bits == 4)
         qdot_rows_bits(l, 4, 1, n0, xq, sa, c, out);
     else if (rm == 2)
-        qdot_rows_bits(l, 8, 2, n0, xq, sa, c, out);
+        qdot_rows8(l, 2, n0, xq, sa, c, out);
     else
-        qdot_rows_bits(l, 8, 1, n0, xq, sa, c, out);
+        qdot_rows8(l, 1, n0, xq, sa, c, out);
 }
 #else /* portable C: the same arithmetic, one channel at a time */
 static void qdot_rows(const kv_linear *l, int rm, int n0, const int8_t *const *xqs, const float *const *sas,
