@@ -363,13 +363,26 @@ static float fdot(const float *a, const float *b, int k) {
 
 /* y[m][n] = x[m] . W[n] (+ bias) for m rows; called inside a parallel region (tiles of ROWS rows of W
  * split between the threads). xq, sa, c: scratch for m rows (m * k bytes, m * kv_stride(k) floats). */
-static void linear_rows(const kv_linear *l, int m, const float *x, float *y, int8_t *xq, float *sa, float *c) {
+/* The rows [*r0, *r1) of n this thread handles: all of them when every thread does the work itself (rep). */
+static inline void span(int rep, int n, int *r0, int *r1) {
+    if (rep) {
+        *r0 = 0, *r1 = n;
+        return;
+    }
+    int t = omp_get_thread_num(), nt = omp_get_num_threads();
+    *r0 = (int)((long)n * t / nt), *r1 = (int)((long)n * (t + 1) / nt);
+}
+
+static void linear_rows(const kv_linear *l, int m, const float *x, float *y, int8_t *xq, float *sa, float *c,
+                        int rep) {
     int st = kv_stride(l->k);
-    if (!l->w) {
-#pragma omp for schedule(static)
-        for (int r = 0; r < m; r++)
-            quantize_row(x + (size_t)r * l->k, l->k, l->bits, xq + (size_t)r * l->k, sa + (size_t)r * st,
-                         c + (size_t)r * st);
+    int r0, r1; /* rep: each thread quantizes the (few) rows into its own buffers, no barrier needed */
+    span(rep, m, &r0, &r1);
+    for (int r = r0; r < r1 && !l->w; r++)
+        quantize_row(x + (size_t)r * l->k, l->k, l->bits, xq + (size_t)r * l->k, sa + (size_t)r * st,
+                     c + (size_t)r * st);
+    if (!rep) { /* every row's input (and its quantization) is complete before any tile reads it */
+#pragma omp barrier
     }
     size_t rb = (size_t)l->k * l->bits / 8;
     int ahead = ((int)(PREFETCH_BYTES / rb) + ROWS) & ~(ROWS - 1);
@@ -409,7 +422,7 @@ int kv_linear_forward(const kv_linear *l, int m, const float *x, float *y, int t
     float *sa = malloc(sizeof(float) * (size_t)m * st), *c = malloc(sizeof(float) * (size_t)m * st);
     if (!xq || !sa || !c) return -1;
 #pragma omp parallel num_threads(threads)
-    linear_rows(l, m, x, y, xq, sa, c);
+    linear_rows(l, m, x, y, xq, sa, c, 0);
     free(xq), free(sa), free(c);
     return 0;
 }
@@ -566,27 +579,42 @@ int kv_forward(const kv_model *m, int B, int L, const int64_t *ids, const int64_
     int M = B * L, H = m->hidden, hq = m->hq, hkv = m->hkv, d = m->d, g = hq / hkv;
     int qkv_n = (hq + 2 * hkv) * d, up_n = m->glu ? 2 * m->inter : m->inter;
     size_t kmax = max3(H, (size_t)hq * d, m->inter);
-    float *x = malloc(sizeof(float) * (size_t)M * H), *h = malloc(sizeof(float) * (size_t)M * H);
-    float *t = malloc(sizeof(float) * (size_t)M * max3(qkv_n, up_n, H));
+    /* A few rows (decode): every thread keeps its own copy of the residual stream, norms it and quantizes
+     * each projection's input itself, so only the projections, rotation, attention and activation are
+     * split: 6 barriers a layer. Many rows (prefill): every phase is split, 10 barriers a layer. */
+    int rep = M <= 4, copies = rep ? threads : 1;
+    float *x = malloc(sizeof(float) * copies * (size_t)M * H), *h = malloc(sizeof(float) * copies * (size_t)M * H);
+    /* two output buffers: qkv and up write t, o and down write t2, so with rep a projection never writes
+     * a buffer another thread may still be reading for its residual (the barriers between guarantee it) */
+    float *t = malloc(sizeof(float) * (size_t)M * (qkv_n > up_n ? qkv_n : up_n)), *t2 = malloc(sizeof(float) * (size_t)M * H);
     float *a = malloc(sizeof(float) * (size_t)M * (hq * d > m->inter ? hq * d : m->inter));
-    int8_t *xq = malloc((size_t)M * kmax);
-    float *sa = malloc(sizeof(float) * (size_t)M * kv_stride(kmax)), *c = malloc(sizeof(float) * (size_t)M * kv_stride(kmax));
-    float *scores = malloc(sizeof(float) * (size_t)(threads > 0 ? threads : 1) * QB * m->max_seq);
-    if (!x || !h || !t || !a || !xq || !sa || !c || !scores) {
-        free(x), free(h), free(t), free(a), free(xq), free(sa), free(c), free(scores);
+    int8_t *xq = malloc(copies * (size_t)M * kmax);
+    float *sa = malloc(sizeof(float) * copies * (size_t)M * kv_stride(kmax));
+    float *c = malloc(sizeof(float) * copies * (size_t)M * kv_stride(kmax));
+    float *scores = malloc(sizeof(float) * (size_t)threads * QB * m->max_seq);
+    if (!x || !h || !t || !t2 || !a || !xq || !sa || !c || !scores) {
+        free(x), free(h), free(t), free(t2), free(a), free(xq), free(sa), free(c), free(scores);
         return -1;
     }
 #pragma omp parallel num_threads(threads)
     {
-        float *sc = scores + (size_t)omp_get_thread_num() * QB * m->max_seq;
-#pragma omp for schedule(static)
-        for (int r = 0; r < M; r++)
-            for (int i = 0; i < H; i++) x[(size_t)r * H + i] = m->embed[(size_t)ids[r] * H + i] * m->embed_scale;
+        int tid = omp_get_thread_num(), me = rep ? tid : 0, r0, r1;
+        float *sc = scores + (size_t)tid * QB * m->max_seq;
+        float *xs = x + (size_t)me * M * H, *hs = h + (size_t)me * M * H; /* this thread's (or the shared) */
+        int8_t *qs8 = xq + (size_t)me * M * kmax;
+        float *sas = sa + (size_t)me * M * kv_stride(kmax), *cs = c + (size_t)me * M * kv_stride(kmax);
+#define ROWS_BARRIER()      \
+    if (!rep) {             \
+        _Pragma("omp barrier") \
+    }
+        span(rep, M, &r0, &r1);
+        for (int r = r0; r < r1; r++)
+            for (int i = 0; i < H; i++) xs[(size_t)r * H + i] = m->embed[(size_t)ids[r] * H + i] * m->embed_scale;
         for (int li = 0; li < m->n_layers; li++) {
             const kv_layer *ly = &m->layers[li];
-#pragma omp for schedule(static)
-            for (int r = 0; r < M; r++) rmsnorm(x + (size_t)r * H, ly->attn_norm, H, m->eps, m->unit_offset, h + (size_t)r * H);
-            linear_rows(&ly->qkv, M, h, t, xq, sa, c);
+            /* rows [r0, r1) are this thread's from the embedding to each projection's quantized input */
+            for (int r = r0; r < r1; r++) rmsnorm(xs + (size_t)r * H, ly->attn_norm, H, m->eps, m->unit_offset, hs + (size_t)r * H);
+            linear_rows(&ly->qkv, M, hs, t, qs8, sas, cs, rep);
             /* q/k norm, rotation, cache write: one (row, head) at a time */
 #pragma omp for schedule(static) collapse(2)
             for (int r = 0; r < M; r++)
@@ -609,51 +637,54 @@ int kv_forward(const kv_model *m, int B, int L, const int64_t *ids, const int64_
             for (int b = 0; b < B; b++)
                 for (int hh = 0; hh < hq; hh++)
                     for (int blk = 0; blk < blocks; blk++) {
-                        int r0 = b * L + blk * QB, nq = L - blk * QB < QB ? L - blk * QB : QB;
-                        const float *qs[QB];
+                        int q0 = b * L + blk * QB, nq = L - blk * QB < QB ? L - blk * QB : QB;
+                        const float *qp[QB];
                         float *outs[QB];
                         for (int i = 0; i < QB; i++) {
-                            int r = r0 + (i < nq ? i : 0);
-                            qs[i] = t + (size_t)r * qkv_n + (size_t)hh * d;
+                            int r = q0 + (i < nq ? i : 0);
+                            qp[i] = t + (size_t)r * qkv_n + (size_t)hh * d;
                             outs[i] = a + (size_t)r * hq * d + (size_t)hh * d;
                         }
                         size_t base = ((size_t)b * hkv + hh / g) * m->max_seq * d;
-                        attend(m, qs, nq, (int)pos[r0], ly->window, ly->k_cache + base, ly->v_cache + base, sc, outs);
+                        attend(m, qp, nq, (int)pos[q0], ly->window, ly->k_cache + base, ly->v_cache + base, sc, outs);
                     }
-            linear_rows(&ly->o, M, a, t, xq, sa, c);
-#pragma omp for schedule(static)
-            for (int r = 0; r < M; r++) {
-                float *o = t + (size_t)r * H;
-                if (ly->post_attn_norm) rmsnorm(o, ly->post_attn_norm, H, m->eps, m->unit_offset, o);
-                for (int i = 0; i < H; i++) x[(size_t)r * H + i] += o[i];
-                rmsnorm(x + (size_t)r * H, ly->mlp_norm, H, m->eps, m->unit_offset, h + (size_t)r * H);
+            linear_rows(&ly->o, M, a, t2, qs8, sas, cs, rep);
+            for (int r = r0; r < r1; r++) { /* x += o (post-normed into h first: t2 stays read-only here) */
+                const float *o = t2 + (size_t)r * H;
+                float *hr = hs + (size_t)r * H, *xr = xs + (size_t)r * H;
+                if (ly->post_attn_norm) rmsnorm(o, ly->post_attn_norm, H, m->eps, m->unit_offset, hr), o = hr;
+                for (int i = 0; i < H; i++) xr[i] += o[i];
+                rmsnorm(xr, ly->mlp_norm, H, m->eps, m->unit_offset, hr);
             }
-            linear_rows(&ly->up, M, h, t, xq, sa, c);
+            linear_rows(&ly->up, M, hs, t, qs8, sas, cs, rep);
             int I = m->inter;
-#pragma omp for schedule(static)
+#pragma omp for schedule(static) collapse(2)
             for (int r = 0; r < M; r++)
                 for (int i = 0; i < I; i++) {
                     const float *u = t + (size_t)r * up_n;
                     a[(size_t)r * I + i] = m->glu ? activate(m->act, u[i]) * u[I + i] : activate(m->act, u[i]);
                 }
-            linear_rows(&ly->down, M, a, t, xq, sa, c);
-#pragma omp for schedule(static)
-            for (int r = 0; r < M; r++) {
-                float *o = t + (size_t)r * H;
-                if (ly->post_mlp_norm) rmsnorm(o, ly->post_mlp_norm, H, m->eps, m->unit_offset, o);
-                for (int i = 0; i < H; i++) x[(size_t)r * H + i] += o[i];
+            linear_rows(&ly->down, M, a, t2, qs8, sas, cs, rep);
+            for (int r = r0; r < r1; r++) {
+                const float *o = t2 + (size_t)r * H;
+                float *hr = hs + (size_t)r * H, *xr = xs + (size_t)r * H;
+                if (ly->post_mlp_norm) rmsnorm(o, ly->post_mlp_norm, H, m->eps, m->unit_offset, hr), o = hr;
+                for (int i = 0; i < H; i++) xr[i] += o[i];
             }
         }
-#pragma omp for schedule(static)
-        for (int b = 0; b < B; b++)
-            rmsnorm(x + ((size_t)b * L + logit_index[b]) * H, m->final_norm, H, m->eps, m->unit_offset, h + (size_t)b * H);
-        linear_rows(&m->lm_head, B, h, logits, xq, sa, c);
+        ROWS_BARRIER(); /* the final norm splits by batch row: other threads' token rows */
+        int b0, b1;
+        span(rep, B, &b0, &b1);
+        for (int b = b0; b < b1; b++)
+            rmsnorm(xs + ((size_t)b * L + logit_index[b]) * H, m->final_norm, H, m->eps, m->unit_offset, hs + (size_t)b * H);
+        linear_rows(&m->lm_head, B, hs, logits, qs8, sas, cs, rep);
         if (m->final_softcap > 0.f) {
 #pragma omp for schedule(static)
             for (size_t i = 0; i < (size_t)B * m->vocab; i++)
                 logits[i] = tanhf(logits[i] / m->final_softcap) * m->final_softcap;
         }
+#undef ROWS_BARRIER
     }
-    free(x), free(h), free(t), free(a), free(xq), free(sa), free(c), free(scores);
+    free(x), free(h), free(t), free(t2), free(a), free(xq), free(sa), free(c), free(scores);
     return 0;
 }
