@@ -1,8 +1,8 @@
 /* kvedge's native CPU engine: one decoder step (prefill chunk or decode) of the one model definition,
  * with weight-only INT4/INT8 projections, over caches the caller owns and this code updates in place.
  *
- * Built by kvedge.runtime.native at first use with the system C compiler (-O3 -march=native -fopenmp)
- * and loaded with ctypes; kvedge/runtime/native_backend.py is the Python side.
+ * Built by kvedge/runtime/native_backend.py at first use with the system C compiler (-O3 -march=native
+ * -fopenmp) and loaded with ctypes; that module is the Python side.
  *
  * Quantized linears keep ONNX Runtime's MatMulNBits bytes as they are (kvedge.models.quant):
  *   4 bits: row n holds K/2 bytes, element 2i in the low nibble of byte i, 2i+1 in the high one;
@@ -12,11 +12,12 @@
  * where xq are the activations quantized to int8 per sub-block (scale sa = max|x| / 127, round half
  * to even), q the stored unsigned integers, sw the group scale and z the group zero point. This is
  * ONNX Runtime's accuracy_level 4 scheme (int8 activations); the dot products are integer.
- * For speed, every 8 sub-blocks are reduced together: their scales are stored in the order the
+ * For speed (4 bits), every 8 sub-blocks are reduced together: their scales are stored in the order the
  * reduction produces them (kv_slot), and the activations' per-sub-block figures are written in that
- * order too, so no shuffle happens per weight. A call computes 4 weight rows against one activation
- * row (shared activation loads, one final reduction for the four), and weight rows are prefetched
- * ahead: decode reads every weight once per token, so it is a stream.
+ * order too, so no shuffle happens per weight; 8 bits scale each sub-block's lanes by a broadcast
+ * product instead. A call computes 4 weight rows against 1 or 2 activation rows (each weight byte
+ * loaded once for both, one final reduction for the four rows), and weight rows are prefetched ahead:
+ * decode reads every weight once per token, so it is a stream.
  */
 #include <math.h>
 #include <stdint.h>
@@ -28,19 +29,14 @@
 #endif
 
 #define SB 32 /* input channels per sub-block */
-#ifndef PREFETCH_BYTES /* weights fetched ahead: 1.4x faster decode on a 2-core Xeon (2026-12-02) */
-#define PREFETCH_BYTES 4096
-#endif
-#ifndef PREFETCH_LOCALITY
-#define PREFETCH_LOCALITY 3
-#endif
+#define PREFETCH_BYTES 4096 /* weights fetched ahead: 1.4x faster decode on a 2-core Xeon (2 to 16 KiB alike) */
 
 typedef struct {
     int32_t n, k, bits, sym;  /* sym: every zero point is zsym (kvedge --symmetric) */
     float zsym;
     const uint8_t *q;         /* MatMulNBits bytes [n][k * bits / 8] */
-    float *s;                 /* [n][k / 32] scales per sub-block, in kernel order (kv_pack) */
-    uint8_t *z;               /* [n][k / 32] zero points per sub-block, kernel order; NULL when sym */
+    float *s;                 /* [n][kv_stride(k)] scales per sub-block, in kernel order (kv_pack) */
+    uint8_t *z;               /* [n][kv_stride(k)] zero points per sub-block, kernel order; NULL when sym */
     const float *w;           /* fp32 weight [n][k] instead of q/s/z (an unquantized linear) */
     const float *bias;        /* [n] or NULL */
 } kv_linear;
@@ -155,68 +151,47 @@ static inline float hsum_f32(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-/* The integer sums of the `have` (1..8) sub-blocks of a chunk, in kv_slot order, for rm activation
+/* The integer sums of the `have` (1..8) 4-bit sub-blocks of a chunk, in kv_slot order, for rm activation
  * rows (a[j] + off): each weight byte is loaded and unpacked once for all of them. */
-static inline __attribute__((always_inline)) void chunk_sums(const int bits, const int rm, const uint8_t *q,
-                                                             const int8_t *const *a, size_t off, const int have,
-                                                             __m256i *r) {
+static inline __attribute__((always_inline)) void chunk_sums4(const int rm, const uint8_t *q, const int8_t *const *a,
+                                                              size_t off, const int have, __m256i *r) {
     const __m256i zero = _mm256_setzero_si256();
-    if (bits == 4) {
-        const __m256i m = _mm256_set1_epi8(0x0F);
-        __m256i p[2][4];
+    const __m256i m = _mm256_set1_epi8(0x0F);
+    __m256i p[2][4];
 #pragma GCC unroll 4
-        for (int i = 0; i < 4; i++) {
-            int left = have - 2 * i;
-            if (left >= 2) { /* a pair: lanes 0-3 the first sub-block's partial sums, lanes 4-7 the second's */
-                __m256i b = _mm256_loadu_si256((const __m256i *)(q + 32 * i));
-                __m256i lo = _mm256_and_si256(b, m), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), m);
-                for (int j = 0; j < rm; j++) {
-                    const int8_t *aa = a[j] + off + 64 * i;
-                    __m256i acc = dot_u8s8(zero, lo, _mm256_loadu_si256((const __m256i *)aa));
-                    p[j][i] = dot_u8s8(acc, hi, _mm256_loadu_si256((const __m256i *)(aa + 32)));
-                }
-            } else if (left == 1) { /* a lone last sub-block (activations [even, odd]): lanes 0-3, 4-7 zero */
-                const __m128i m16 = _mm_set1_epi8(0x0F);
-                __m128i b = _mm_loadu_si128((const __m128i *)(q + 32 * i));
-                __m256i w = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), m16), _mm_and_si128(b, m16));
-                for (int j = 0; j < rm; j++) {
-                    __m256i v = dot_u8s8(zero, w, _mm256_loadu_si256((const __m256i *)(a[j] + off + 64 * i)));
-                    p[j][i] = _mm256_zextsi128_si256(_mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1)));
-                }
-            } else {
-                for (int j = 0; j < rm; j++) p[j][i] = zero;
+    for (int i = 0; i < 4; i++) {
+        int left = have - 2 * i;
+        if (left >= 2) { /* a pair: lanes 0-3 the first sub-block's partial sums, lanes 4-7 the second's */
+            __m256i b = _mm256_loadu_si256((const __m256i *)(q + 32 * i));
+            __m256i lo = _mm256_and_si256(b, m), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), m);
+            for (int j = 0; j < rm; j++) {
+                const int8_t *aa = a[j] + off + 64 * i;
+                __m256i acc = dot_u8s8(zero, lo, _mm256_loadu_si256((const __m256i *)aa));
+                p[j][i] = dot_u8s8(acc, hi, _mm256_loadu_si256((const __m256i *)(aa + 32)));
             }
-        }
-        for (int j = 0; j < rm; j++)
-            r[j] = _mm256_hadd_epi32(_mm256_hadd_epi32(p[j][0], p[j][1]), _mm256_hadd_epi32(p[j][2], p[j][3]));
-        return;
-    }
-    __m256i v[2][8];
-#pragma GCC unroll 8
-    for (int i = 0; i < 8; i++) {
-        if (i < have) {
-            __m256i w = _mm256_loadu_si256((const __m256i *)(q + 32 * i));
-            for (int j = 0; j < rm; j++)
-                v[j][i] = dot_u8s8(zero, w, _mm256_loadu_si256((const __m256i *)(a[j] + off + 32 * i)));
+        } else if (left == 1) { /* a lone last sub-block (activations [even, odd]): lanes 0-3, 4-7 zero */
+            const __m128i m16 = _mm_set1_epi8(0x0F);
+            __m128i b = _mm_loadu_si128((const __m128i *)(q + 32 * i));
+            __m256i w = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), m16), _mm_and_si128(b, m16));
+            for (int j = 0; j < rm; j++) {
+                __m256i v = dot_u8s8(zero, w, _mm256_loadu_si256((const __m256i *)(a[j] + off + 64 * i)));
+                p[j][i] = _mm256_zextsi128_si256(_mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1)));
+            }
         } else {
-            for (int j = 0; j < rm; j++) v[j][i] = zero;
+            for (int j = 0; j < rm; j++) p[j][i] = zero;
         }
     }
-    for (int j = 0; j < rm; j++) {
-        __m256i g0 = _mm256_hadd_epi32(_mm256_hadd_epi32(v[j][0], v[j][1]), _mm256_hadd_epi32(v[j][2], v[j][3]));
-        __m256i g1 = _mm256_hadd_epi32(_mm256_hadd_epi32(v[j][4], v[j][5]), _mm256_hadd_epi32(v[j][6], v[j][7]));
-        r[j] = _mm256_add_epi32(_mm256_permute2x128_si256(g0, g1, 0x20), _mm256_permute2x128_si256(g0, g1, 0x31));
-    }
+    for (int j = 0; j < rm; j++)
+        r[j] = _mm256_hadd_epi32(_mm256_hadd_epi32(p[j][0], p[j][1]), _mm256_hadd_epi32(p[j][2], p[j][3]));
 }
 
-/* out[j * ROWS + i] = row n0 + i of a quantized linear . activation row j, for i < ROWS (rows past the end
+/* out[j * ROWS + i] = row n0 + i of a 4-bit linear . activation row j, for i < ROWS (rows past the end
  * repeat the last) and j < rm (1 or 2: a second activation row reuses every weight load) */
-static inline __attribute__((always_inline)) void qdot_rows_bits(const kv_linear *l, const int bits, const int rm,
-                                                                 int n0, const int8_t *const *xq,
-                                                                 const float *const *sa, const float *const *c,
-                                                                 float *out) {
+static inline __attribute__((always_inline)) void qdot_rows4(const kv_linear *l, const int rm, int n0,
+                                                             const int8_t *const *xq, const float *const *sa,
+                                                             const float *const *c, float *out) {
     int nsb = l->k / SB, st = kv_stride(l->k);
-    size_t rb = (size_t)l->k * bits / 8, sbb = SB * bits / 8;
+    size_t rb = (size_t)l->k / 2, sbb = SB / 2;
     const uint8_t *q[ROWS];
     const float *sw[ROWS];
     const uint8_t *zr[ROWS];
@@ -237,9 +212,9 @@ static inline __attribute__((always_inline)) void qdot_rows_bits(const kv_linear
         for (int i = 0; i < ROWS; i++) {
             __m256i r[2];
             if (sb + 8 <= nsb)
-                chunk_sums(bits, rm, q[i] + sb * sbb, xq, (size_t)sb * SB, 8, r);
+                chunk_sums4(rm, q[i] + sb * sbb, xq, (size_t)sb * SB, 8, r);
             else
-                chunk_sums(bits, rm, q[i] + sb * sbb, xq, (size_t)sb * SB, nsb - sb, r);
+                chunk_sums4(rm, q[i] + sb * sbb, xq, (size_t)sb * SB, nsb - sb, r);
             __m256 z = zr[i] ? _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(zr[i] + sb))))
                              : zs;
             __m256 w = _mm256_loadu_ps(sw[i] + sb);
@@ -313,9 +288,9 @@ static inline __attribute__((always_inline)) void qdot_rows8(const kv_linear *l,
 static void qdot_rows(const kv_linear *l, int rm, int n0, const int8_t *const *xq, const float *const *sa,
                       const float *const *c, float *out) {
     if (l->bits == 4 && rm == 2)
-        qdot_rows_bits(l, 4, 2, n0, xq, sa, c, out);
+        qdot_rows4(l, 2, n0, xq, sa, c, out);
     else if (l->bits == 4)
-        qdot_rows_bits(l, 4, 1, n0, xq, sa, c, out);
+        qdot_rows4(l, 1, n0, xq, sa, c, out);
     else if (rm == 2)
         qdot_rows8(l, 2, n0, xq, sa, c, out);
     else
@@ -391,9 +366,9 @@ static void linear_rows(const kv_linear *l, int m, const float *x, float *y, int
         int rows = l->n - n0 < ROWS ? l->n - n0 : ROWS;
         if (!l->w && n0 + ahead + ROWS <= l->n) { /* decode streams every weight once: fetch ahead */
             const char *nq = (const char *)(l->q + (size_t)(n0 + ahead) * rb);
-            for (size_t o = 0; o < ROWS * rb; o += 64) __builtin_prefetch(nq + o, 0, PREFETCH_LOCALITY);
+            for (size_t o = 0; o < ROWS * rb; o += 64) __builtin_prefetch(nq + o);
             const char *ns = (const char *)(l->s + (size_t)(n0 + ahead) * st);
-            for (size_t o = 0; o < sizeof(float) * ROWS * st; o += 64) __builtin_prefetch(ns + o, 0, PREFETCH_LOCALITY);
+            for (size_t o = 0; o < sizeof(float) * ROWS * st; o += 64) __builtin_prefetch(ns + o);
         }
         for (int r = 0; r < m; r += 2) {
             int rm = r + 1 < m ? 2 : 1;
