@@ -348,9 +348,34 @@ static inline void span(int rep, int n, int *r0, int *r1) {
     *r0 = (int)((long)n * t / nt), *r1 = (int)((long)n * (t + 1) / nt);
 }
 
+/* prefetch weight rows [n0, n1) of a quantized linear (bytes and scales) */
+static inline void fetch_rows(const kv_linear *l, int n0, int n1) {
+    size_t rb = (size_t)l->k * l->bits / 8, st = kv_stride(l->k);
+    if (l->w || n1 <= n0) return;
+    const char *q = (const char *)(l->q + (size_t)n0 * rb), *s = (const char *)(l->s + (size_t)n0 * st);
+    for (size_t o = 0; o < (size_t)(n1 - n0) * rb; o += 64) __builtin_prefetch(q + o);
+    for (size_t o = 0; o < sizeof(float) * (n1 - n0) * st; o += 64) __builtin_prefetch(s + o);
+}
+
+/* this thread's weight rows [*n0, *n1) of l (whole tiles of ROWS), and how many rows it fetches ahead */
+static inline int my_rows(const kv_linear *l, int *n0, int *n1) {
+    int tiles = (l->n + ROWS - 1) / ROWS, t0, t1;
+    span(0, tiles, &t0, &t1);
+    *n0 = t0 * ROWS, *n1 = t1 * ROWS < l->n ? t1 * ROWS : l->n;
+    return ((int)(PREFETCH_BYTES / ((size_t)l->k * l->bits / 8)) + ROWS) & ~(ROWS - 1);
+}
+
+/* fetch the head of this thread's rows of l: called one projection early, so the next stream is under
+ * way during the barrier and the small phases between */
+static void fetch_head(const kv_linear *l) {
+    int n0, n1, ahead = my_rows(l, &n0, &n1);
+    fetch_rows(l, n0, n0 + ahead < n1 ? n0 + ahead : n1);
+}
+
 static void linear_rows(const kv_linear *l, int m, const float *x, float *y, int8_t *xq, float *sa, float *c,
-                        int rep) {
-    int st = kv_stride(l->k);
+                        int rep, const kv_linear *next) {
+    int st = kv_stride(l->k), n_start, n_end;
+    int ahead = my_rows(l, &n_start, &n_end);
     int r0, r1; /* rep: each thread quantizes the (few) rows into its own buffers, no barrier needed */
     span(rep, m, &r0, &r1);
     for (int r = r0; r < r1 && !l->w; r++)
@@ -359,17 +384,10 @@ static void linear_rows(const kv_linear *l, int m, const float *x, float *y, int
     if (!rep) { /* every row's input (and its quantization) is complete before any tile reads it */
 #pragma omp barrier
     }
-    size_t rb = (size_t)l->k * l->bits / 8;
-    int ahead = ((int)(PREFETCH_BYTES / rb) + ROWS) & ~(ROWS - 1);
-#pragma omp for schedule(static)
-    for (int n0 = 0; n0 < l->n; n0 += ROWS) {
+    for (int n0 = n_start; n0 < n_end; n0 += ROWS) {
         int rows = l->n - n0 < ROWS ? l->n - n0 : ROWS;
-        if (!l->w && n0 + ahead + ROWS <= l->n) { /* decode streams every weight once: fetch ahead */
-            const char *nq = (const char *)(l->q + (size_t)(n0 + ahead) * rb);
-            for (size_t o = 0; o < ROWS * rb; o += 64) __builtin_prefetch(nq + o);
-            const char *ns = (const char *)(l->s + (size_t)(n0 + ahead) * st);
-            for (size_t o = 0; o < sizeof(float) * ROWS * st; o += 64) __builtin_prefetch(ns + o);
-        }
+        if (n0 + ahead < n_end) /* decode streams every weight once: fetch ahead */
+            fetch_rows(l, n0 + ahead, n0 + ahead + ROWS < n_end ? n0 + ahead + ROWS : n_end);
         for (int r = 0; r < m; r += 2) {
             int rm = r + 1 < m ? 2 : 1;
             float out[2 * ROWS];
@@ -388,6 +406,8 @@ static void linear_rows(const kv_linear *l, int m, const float *x, float *y, int
                     y[(size_t)(r + j) * l->n + n0 + i] = out[j * ROWS + i] + (l->bias ? l->bias[n0 + i] : 0.f);
         }
     }
+    if (next) fetch_head(next);
+#pragma omp barrier
 }
 
 /* y = x W^T for m rows, on `threads` threads: the entry point the tests and benchmarks call */
@@ -397,7 +417,7 @@ int kv_linear_forward(const kv_linear *l, int m, const float *x, float *y, int t
     float *sa = malloc(sizeof(float) * (size_t)m * st), *c = malloc(sizeof(float) * (size_t)m * st);
     if (!xq || !sa || !c) return -1;
 #pragma omp parallel num_threads(threads)
-    linear_rows(l, m, x, y, xq, sa, c, 0);
+    linear_rows(l, m, x, y, xq, sa, c, 0, NULL);
     free(xq), free(sa), free(c);
     return 0;
 }
@@ -589,7 +609,7 @@ int kv_forward(const kv_model *m, int B, int L, const int64_t *ids, const int64_
             const kv_layer *ly = &m->layers[li];
             /* rows [r0, r1) are this thread's from the embedding to each projection's quantized input */
             for (int r = r0; r < r1; r++) rmsnorm(xs + (size_t)r * H, ly->attn_norm, H, m->eps, m->unit_offset, hs + (size_t)r * H);
-            linear_rows(&ly->qkv, M, hs, t, qs8, sas, cs, rep);
+            linear_rows(&ly->qkv, M, hs, t, qs8, sas, cs, rep, &ly->o);
             /* q/k norm, rotation, cache write: one (row, head) at a time */
 #pragma omp for schedule(static) collapse(2)
             for (int r = 0; r < M; r++)
@@ -623,7 +643,7 @@ int kv_forward(const kv_model *m, int B, int L, const int64_t *ids, const int64_
                         size_t base = ((size_t)b * hkv + hh / g) * m->max_seq * d;
                         attend(m, qp, nq, (int)pos[q0], ly->window, ly->k_cache + base, ly->v_cache + base, sc, outs);
                     }
-            linear_rows(&ly->o, M, a, t2, qs8, sas, cs, rep);
+            linear_rows(&ly->o, M, a, t2, qs8, sas, cs, rep, &ly->up);
             for (int r = r0; r < r1; r++) { /* x += o (post-normed into h first: t2 stays read-only here) */
                 const float *o = t2 + (size_t)r * H;
                 float *hr = hs + (size_t)r * H, *xr = xs + (size_t)r * H;
@@ -631,7 +651,7 @@ int kv_forward(const kv_model *m, int B, int L, const int64_t *ids, const int64_
                 for (int i = 0; i < H; i++) xr[i] += o[i];
                 rmsnorm(xr, ly->mlp_norm, H, m->eps, m->unit_offset, hr);
             }
-            linear_rows(&ly->up, M, hs, t, qs8, sas, cs, rep);
+            linear_rows(&ly->up, M, hs, t, qs8, sas, cs, rep, &ly->down);
             int I = m->inter;
 #pragma omp for schedule(static) collapse(2)
             for (int r = 0; r < M; r++)
@@ -639,7 +659,8 @@ int kv_forward(const kv_model *m, int B, int L, const int64_t *ids, const int64_
                     const float *u = t + (size_t)r * up_n;
                     a[(size_t)r * I + i] = m->glu ? activate(m->act, u[i]) * u[I + i] : activate(m->act, u[i]);
                 }
-            linear_rows(&ly->down, M, a, t2, qs8, sas, cs, rep);
+            linear_rows(&ly->down, M, a, t2, qs8, sas, cs, rep,
+                        li + 1 < m->n_layers ? &m->layers[li + 1].qkv : &m->lm_head);
             for (int r = r0; r < r1; r++) {
                 const float *o = t2 + (size_t)r * H;
                 float *hr = hs + (size_t)r * H, *xr = xs + (size_t)r * H;
@@ -652,7 +673,7 @@ int kv_forward(const kv_model *m, int B, int L, const int64_t *ids, const int64_
         span(rep, B, &b0, &b1);
         for (int b = b0; b < b1; b++)
             rmsnorm(xs + ((size_t)b * L + logit_index[b]) * H, m->final_norm, H, m->eps, m->unit_offset, hs + (size_t)b * H);
-        linear_rows(&m->lm_head, B, hs, logits, qs8, sas, cs, rep);
+        linear_rows(&m->lm_head, B, hs, logits, qs8, sas, cs, rep, NULL);
         if (m->final_softcap > 0.f) {
 #pragma omp for schedule(static)
             for (size_t i = 0; i < (size_t)B * m->vocab; i++)
