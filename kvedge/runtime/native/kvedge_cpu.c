@@ -519,7 +519,29 @@ static void attend(const kv_model *m, const float *const *q, int nq, int p0, int
     int first = lo[0];
     float *sc[QB], mx[QB];
     for (int i = 0; i < QB; i++) sc[i] = scores + (size_t)i * m->max_seq, mx[i] = -INFINITY;
-    for (int j = first; j <= hi; j++) {
+    int j = first;
+#if defined(__AVX2__)
+    if (nq == 1 && d % 8 == 0) /* one query (decode): 4 keys at a time, their scores summed together */
+        for (; j + 4 <= hi + 1; j += 4) {
+            __m256 acc[4];
+            for (int i = 0; i < 4; i++) acc[i] = _mm256_setzero_ps();
+            for (int t = 0; t < d; t += 8) {
+                __m256 qv = _mm256_loadu_ps(q[0] + t);
+#pragma GCC unroll 4
+                for (int i = 0; i < 4; i++) acc[i] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kc + (size_t)(j + i) * d + t), acc[i]);
+            }
+            __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
+            float s4[4];
+            _mm_storeu_ps(s4, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+            for (int i = 0; i < 4; i++) {
+                float v = s4[i] * m->attn_scale;
+                if (m->attn_softcap > 0.f) v = tanhf(v / m->attn_softcap) * m->attn_softcap;
+                sc[0][j + i] = v;
+                mx[0] = v > mx[0] ? v : mx[0];
+            }
+        }
+#endif
+    for (; j <= hi; j++) {
         const float *k = kc + (size_t)j * d;
         float s[QB];
 #if defined(__AVX2__)
