@@ -19,6 +19,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -57,6 +58,16 @@ class Model(ctypes.Structure):
                 ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p), ("layers", ctypes.POINTER(Layer))]
 
 
+def _cpu() -> str:
+    """What -march=native compiles for: the CPU's model and feature flags (a cache shared between machines
+    must not hand one CPU's build to another)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.machine() + platform.processor()
+    return "".join(sorted({ln for ln in lines if ln.startswith(("model name", "flags", "Features", "CPU part"))}))
+
+
 def compile_engine(flags: tuple[str, ...] = FLAGS, cache_dir: str | Path | None = None) -> ctypes.CDLL:
     """Compile kvedge_cpu.c (once per source, compiler and flags; cached) and load it."""
     want = os.environ.get("CC")
@@ -67,7 +78,7 @@ def compile_engine(flags: tuple[str, ...] = FLAGS, cache_dir: str | Path | None 
                                      f"e.g. apt install gcc, or set CC")
     src = SOURCE.read_bytes()
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256(src + " ".join((cc, version, *flags)).encode()).hexdigest()[:16]
+    key = hashlib.sha256(src + " ".join((cc, version, _cpu(), *flags)).encode()).hexdigest()[:16]
     root = Path(cache_dir or os.environ.get("KVEDGE_CACHE") or Path.home() / ".cache" / "kvedge") / "native"
     lib = root / f"kvedge_cpu-{key}.so"
     if not lib.is_file():
