@@ -28,3 +28,16 @@ class Backend(Protocol):
     def reset(self) -> None: ...
 
     def cache_tensors(self) -> list[torch.Tensor]: ...
+
+
+class CacheList:
+    """reset / cache_tensors for a backend holding its caches as one list of tensors in `self.caches`."""
+
+    caches: list[torch.Tensor]
+
+    def reset(self) -> None:
+        for t in self.caches:
+            t.zero_()
+
+    def cache_tensors(self) -> list[torch.Tensor]:
+        return self.caches

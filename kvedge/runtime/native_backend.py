@@ -31,6 +31,7 @@ from torch import nn
 from kvedge.errors import KvedgeError, MissingDependencyError
 from kvedge.models import load_decoder, rope
 from kvedge.models.quant import QUANT_BITS, QuantLinear, _unpack4, lm_head_linear, quantize_decoder
+from kvedge.runtime.backend import CacheList
 
 SOURCE = Path(__file__).with_name("native") / "kvedge_cpu.c"
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
@@ -150,7 +151,7 @@ def unsupported(cfg) -> list[str]:
     return why
 
 
-class NativeBackend:
+class NativeBackend(CacheList):
     name = "native"
 
     def __init__(self, model_dir: str | Path, max_batch: int = 1, max_seq_len: int = 2048, threads: int = 0,
@@ -205,13 +206,6 @@ class NativeBackend:
         """Bytes of everything the engine reads besides the caches (weights, scales, norms, RoPE tables)."""
         seen = {t.data_ptr(): t.numel() * t.element_size() for t in self._keep.tensors}
         return sum(seen.values())
-
-    def reset(self) -> None:
-        for t in self.caches:
-            t.zero_()
-
-    def cache_tensors(self) -> list[torch.Tensor]:
-        return self.caches
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
                 logits_index: torch.Tensor) -> torch.Tensor:

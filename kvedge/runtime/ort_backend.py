@@ -17,12 +17,13 @@ from kvedge.errors import KvedgeError, MissingDependencyError
 from kvedge.export import lowerings
 from kvedge.export.contract import Sidecar, input_names, output_names
 from kvedge.models.loader import TORCH_DTYPES
+from kvedge.runtime.backend import CacheList
 
 _NP = {torch.float32: np.float32, torch.float16: np.float16, torch.int64: np.int64, torch.int8: np.int8}
 _CACHE_DTYPES = {**TORCH_DTYPES, "int8": torch.int8}
 
 
-class OrtBackend:
+class OrtBackend(CacheList):
     name = "onnxruntime"
 
     def __init__(self, export_dir: str | Path, providers: list[str] | None = None, threads: int = 0,
@@ -98,13 +99,6 @@ class OrtBackend:
         lg = self.logits[:batch]
         b.bind_output("logits", "cpu", 0, _NP[lg.dtype], list(lg.shape), lg.data_ptr())
         self._bound_batch = batch
-
-    def reset(self) -> None:
-        for t in self.caches:
-            t.zero_()
-
-    def cache_tensors(self) -> list[torch.Tensor]:
-        return self.caches
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
                 logits_index: torch.Tensor) -> torch.Tensor:
