@@ -505,6 +505,24 @@ static float softmax_exp(float *s, int n, float mx) {
     return sum;
 }
 
+/* a[i] = act(u[i]) (* u[I + i] for a GLU) for i in [i0, i1); SiLU 8 at a time on AVX2:
+ * v * sigmoid(v), sigmoid(v) = 1 / (1 + e) for v >= 0 and e / (1 + e) below, e = exp(-|v|) */
+static void act_chunk(const kv_model *m, const float *u, float *a, int i0, int i1) {
+    int I = m->inter, i = i0;
+#if defined(__AVX2__)
+    if (m->act == ACT_SILU && i1 - i0 == 8) {
+        __m256 v = _mm256_loadu_ps(u + i0), one = _mm256_set1_ps(1.f);
+        __m256 e = exp_neg(_mm256_or_ps(v, _mm256_set1_ps(-0.f))); /* -|v| */
+        __m256 sig = _mm256_div_ps(_mm256_blendv_ps(one, e, v), _mm256_add_ps(one, e)); /* v < 0: e */
+        __m256 y = _mm256_mul_ps(v, sig);
+        if (m->glu) y = _mm256_mul_ps(y, _mm256_loadu_ps(u + I + i0));
+        _mm256_storeu_ps(a + i0, y);
+        return;
+    }
+#endif
+    for (; i < i1; i++) a[i] = m->glu ? activate(m->act, u[i]) * u[I + i] : activate(m->act, u[i]);
+}
+
 #define QB 4 /* queries of one row and head attended together: each K and V row is loaded once for them */
 
 /* Queries i < nq (consecutive positions p0 + i of one row, one head) over their KV head's cache: query i
@@ -521,43 +539,40 @@ static void attend(const kv_model *m, const float *const *q, int nq, int p0, int
     for (int i = 0; i < QB; i++) sc[i] = scores + (size_t)i * m->max_seq, mx[i] = -INFINITY;
     int j = first;
 #if defined(__AVX2__)
-    if (nq == 1 && d % 8 == 0) /* one query (decode): 4 keys at a time, their scores summed together */
+    if (d % 8 == 0) /* 4 keys x the queries at a time: each K and q vector loaded once per 4 x nq dots */
         for (; j + 4 <= hi + 1; j += 4) {
-            __m256 acc[4];
-            for (int i = 0; i < 4; i++) acc[i] = _mm256_setzero_ps();
+            __m256 acc[QB][4];
+            for (int i = 0; i < QB; i++)
+                for (int kk = 0; kk < 4; kk++) acc[i][kk] = _mm256_setzero_ps();
             for (int t = 0; t < d; t += 8) {
-                __m256 qv = _mm256_loadu_ps(q[0] + t);
+                __m256 kv[4];
+                for (int kk = 0; kk < 4; kk++) kv[kk] = _mm256_loadu_ps(kc + (size_t)(j + kk) * d + t);
 #pragma GCC unroll 4
-                for (int i = 0; i < 4; i++) acc[i] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kc + (size_t)(j + i) * d + t), acc[i]);
+                for (int i = 0; i < QB; i++) {
+                    if (i >= nq) break;
+                    __m256 qv = _mm256_loadu_ps(q[i] + t);
+#pragma GCC unroll 4
+                    for (int kk = 0; kk < 4; kk++) acc[i][kk] = _mm256_fmadd_ps(qv, kv[kk], acc[i][kk]);
+                }
             }
-            __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
-            float s4[4];
-            _mm_storeu_ps(s4, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
-            for (int i = 0; i < 4; i++) {
-                float v = s4[i] * m->attn_scale;
-                if (m->attn_softcap > 0.f) v = tanhf(v / m->attn_softcap) * m->attn_softcap;
-                sc[0][j + i] = v;
-                mx[0] = v > mx[0] ? v : mx[0];
+            for (int i = 0; i < nq; i++) {
+                __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(acc[i][0], acc[i][1]), _mm256_hadd_ps(acc[i][2], acc[i][3]));
+                float s4[4];
+                _mm_storeu_ps(s4, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+                for (int kk = 0; kk < 4; kk++) {
+                    if (j + kk < lo[i] || j + kk > p0 + i) continue;
+                    float v = s4[kk] * m->attn_scale;
+                    if (m->attn_softcap > 0.f) v = tanhf(v / m->attn_softcap) * m->attn_softcap;
+                    sc[i][j + kk] = v;
+                    mx[i] = v > mx[i] ? v : mx[i];
+                }
             }
         }
 #endif
     for (; j <= hi; j++) {
         const float *k = kc + (size_t)j * d;
         float s[QB];
-#if defined(__AVX2__)
-        if (d % 8 == 0 && nq > 1) {
-            __m256 acc[QB];
-            for (int i = 0; i < QB; i++) acc[i] = _mm256_setzero_ps();
-            for (int t = 0; t < d; t += 8) {
-                __m256 kv = _mm256_loadu_ps(k + t);
-#pragma GCC unroll 4
-                for (int i = 0; i < QB; i++) acc[i] = _mm256_fmadd_ps(_mm256_loadu_ps(q[i < nq ? i : 0] + t), kv, acc[i]);
-            }
-            __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
-            _mm_storeu_ps(s, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
-        } else
-#endif
-            for (int i = 0; i < nq; i++) s[i] = fdot(q[i], k, d);
+        for (int i = 0; i < nq; i++) s[i] = fdot(q[i], k, d);
         for (int i = 0; i < nq; i++) {
             if (j < lo[i] || j > p0 + i) continue;
             float v = s[i] * m->attn_scale;
@@ -674,13 +689,11 @@ int kv_forward(const kv_model *m, int B, int L, const int64_t *ids, const int64_
                 rmsnorm(xr, ly->mlp_norm, H, m->eps, m->unit_offset, hr);
             }
             linear_rows(&ly->up, M, hs, t, qs8, sas, cs, rep, &ly->down);
-            int I = m->inter;
+            int I = m->inter, chunks = (I + 7) / 8;
 #pragma omp for schedule(static) collapse(2)
             for (int r = 0; r < M; r++)
-                for (int i = 0; i < I; i++) {
-                    const float *u = t + (size_t)r * up_n;
-                    a[(size_t)r * I + i] = m->glu ? activate(m->act, u[i]) * u[I + i] : activate(m->act, u[i]);
-                }
+                for (int ch = 0; ch < chunks; ch++)
+                    act_chunk(m, t + (size_t)r * up_n, a + (size_t)r * I, ch * 8, ch * 8 + 8 < I ? ch * 8 + 8 : I);
             linear_rows(&ly->down, M, a, t2, qs8, sas, cs, rep,
                         li + 1 < m->n_layers ? &m->layers[li + 1].qkv : &m->lm_head);
             for (int r = r0; r < r1; r++) {
