@@ -528,14 +528,16 @@ static void act_chunk(const kv_model *m, const float *u, float *a, int i0, int i
 
 #define QB 4 /* queries of one row and head attended together: each K and V row is loaded once for them */
 
-/* Queries i < nq (consecutive positions p0 + i of one row, one head) over their KV head's cache: query i
- * sees slots [lo_i, p0 + i], lo_i = max(0, p0 + i - window + 1) (window 0: none). scores: QB * max_seq. */
-static void attend(const kv_model *m, const float *const *q, int nq, int p0, int window, const float *kc,
+/* Queries i < nq over one KV head's cache, sharing every K and V load: consecutive positions of one row and
+ * head (prefill), or the query heads of one KV head at one position (decode, GQA). Query i, at position
+ * ps[i] (non-decreasing), sees slots [lo_i, ps[i]], lo_i = max(0, ps[i] - window + 1) (window 0: none).
+ * scores: QB * max_seq. */
+static void attend(const kv_model *m, const float *const *q, int nq, const int *ps, int window, const float *kc,
                    const float *vc, float *scores, float *const *out) {
-    int d = m->d, lo[QB], hi = p0 + nq - 1;
+    int d = m->d, lo[QB], p[QB], hi = ps[nq - 1];
     for (int i = 0; i < QB; i++) {
-        int p = p0 + (i < nq ? i : nq - 1);
-        lo[i] = window > 0 && p - window + 1 > 0 ? p - window + 1 : 0;
+        p[i] = ps[i < nq ? i : nq - 1];
+        lo[i] = window > 0 && p[i] - window + 1 > 0 ? p[i] - window + 1 : 0;
     }
     int first = lo[0];
     float *sc[QB], mx[QB];
@@ -563,7 +565,7 @@ static void attend(const kv_model *m, const float *const *q, int nq, int p0, int
                 float s4[4];
                 _mm_storeu_ps(s4, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
                 for (int kk = 0; kk < 4; kk++) {
-                    if (j + kk < lo[i] || j + kk > p0 + i) continue;
+                    if (j + kk < lo[i] || j + kk > p[i]) continue;
                     float v = s4[kk] * m->attn_scale;
                     if (m->attn_softcap > 0.f) v = tanhf(v / m->attn_softcap) * m->attn_softcap;
                     sc[i][j + kk] = v;
@@ -577,7 +579,7 @@ static void attend(const kv_model *m, const float *const *q, int nq, int p0, int
         float s[QB];
         for (int i = 0; i < nq; i++) s[i] = fdot(q[i], k, d);
         for (int i = 0; i < nq; i++) {
-            if (j < lo[i] || j > p0 + i) continue;
+            if (j < lo[i] || j > p[i]) continue;
             float v = s[i] * m->attn_scale;
             if (m->attn_softcap > 0.f) v = tanhf(v / m->attn_softcap) * m->attn_softcap;
             sc[i][j] = v;
@@ -586,11 +588,11 @@ static void attend(const kv_model *m, const float *const *q, int nq, int p0, int
     }
     for (int i = 0; i < QB; i++) {
         if (i < nq) {
-            float inv = 1.f / softmax_exp(sc[i] + lo[i], p0 + i - lo[i] + 1, mx[i]);
-            for (int j = lo[i]; j <= p0 + i; j++) sc[i][j] *= inv;
+            float inv = 1.f / softmax_exp(sc[i] + lo[i], p[i] - lo[i] + 1, mx[i]);
+            for (int j = lo[i]; j <= p[i]; j++) sc[i][j] *= inv;
         }
         for (int j = first; j <= hi; j++) /* weight 0 outside each query's slots (and for absent queries) */
-            if (i >= nq || j < lo[i] || j > p0 + i) sc[i][j] = 0.f;
+            if (i >= nq || j < lo[i] || j > p[i]) sc[i][j] = 0.f;
         for (int t = 0; t < d; t++) out[i < nq ? i : 0][t] = 0.f;
     }
     for (int j = first; j <= hi; j++) {
@@ -667,21 +669,26 @@ int kv_forward(const kv_model *m, int B, int L, const int64_t *ids, const int64_
                         memcpy(ly->v_cache + slot, v + (size_t)hkv * d, sizeof(float) * d);
                     }
                 }
-            int blocks = (L + QB - 1) / QB;
+            /* work items: prefill, blocks of QB consecutive queries of one head; decode (L = 1), the query
+             * heads of one KV head in groups of QB, so each K/V row is read once for all of them */
+            int per = L > 1 ? (L + QB - 1) / QB : (g + QB - 1) / QB, heads = L > 1 ? hq : hkv;
 #pragma omp for schedule(static, 1) collapse(3)
             for (int b = 0; b < B; b++)
-                for (int hh = 0; hh < hq; hh++)
-                    for (int blk = 0; blk < blocks; blk++) {
-                        int q0 = b * L + blk * QB, nq = L - blk * QB < QB ? L - blk * QB : QB;
+                for (int hh = 0; hh < heads; hh++)
+                    for (int blk = 0; blk < per; blk++) {
+                        int nq = L > 1 ? (L - blk * QB < QB ? L - blk * QB : QB) : (g - blk * QB < QB ? g - blk * QB : QB);
                         const float *qp[QB];
                         float *outs[QB];
+                        int ps[QB], kh = L > 1 ? hh / g : hh;
                         for (int i = 0; i < QB; i++) {
-                            int r = q0 + (i < nq ? i : 0);
-                            qp[i] = t + (size_t)r * qkv_n + (size_t)hh * d;
-                            outs[i] = a + (size_t)r * hq * d + (size_t)hh * d;
+                            int ii = i < nq ? i : 0;
+                            int r = L > 1 ? b * L + blk * QB + ii : b, head = L > 1 ? hh : hh * g + blk * QB + ii;
+                            qp[i] = t + (size_t)r * qkv_n + (size_t)head * d;
+                            outs[i] = a + (size_t)r * hq * d + (size_t)head * d;
+                            ps[i] = (int)pos[r];
                         }
-                        size_t base = ((size_t)b * hkv + hh / g) * m->max_seq * d;
-                        attend(m, qp, nq, (int)pos[q0], ly->window, ly->k_cache + base, ly->v_cache + base, sc, outs);
+                        size_t base = ((size_t)b * hkv + kh) * m->max_seq * d;
+                        attend(m, qp, nq, ps, ly->window, ly->k_cache + base, ly->v_cache + base, sc, outs);
                     }
             linear_rows(&ly->o, M, a, t2, qs8, sas, cs, rep, &ly->up);
             for (int r = r0; r < r1; r++) { /* x += o (post-normed into h first: t2 stays read-only here) */
