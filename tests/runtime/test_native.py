@@ -188,3 +188,15 @@ def test_bench_runs_the_native_backend_quantized_as_the_export_was(exported, hf_
     # int4 weights + an fp32 scale per 32 are well under the float32 checkpoint's bytes
     fp32 = sum(p.numel() * 4 for p in load_decoder(hf_checkpoint(case)[0]).parameters())
     assert 0 < rows["native"]["weights_bytes"] < fp32
+
+
+def test_odd_thread_counts_and_wide_batches_split_the_work_correctly(hf_checkpoint):
+    """3 threads on 2 cores, and a batch of 5 whose decode steps take the split (not replicated) path."""
+    path, _ = hf_checkpoint("qwen2-bias")
+    native = load(path, backend="native", quantize=None, max_batch=5, max_seq_len=MAX_SEQ, threads=3)
+    ref = load(path, backend="torch", max_batch=5, max_seq_len=MAX_SEQ, device="cpu")
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 160, (n,), generator=g).tolist() for n in (3, 9, 14, 6, 1)]
+    a = native.generate(prompts, max_new_tokens=10, eos_token_id=None)
+    b = ref.generate(prompts, max_new_tokens=10, eos_token_id=None)
+    assert a.tokens == b.tokens
