@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
+import os
 import platform
+import shutil
 import sys
 
 
@@ -51,6 +53,8 @@ def facts() -> dict:
     f["jinja2"] = _version("jinja2")
     f["matplotlib"] = _version("matplotlib")
     f["jetson"] = detect().to_dict()
+    cc = shutil.which(os.environ.get("CC") or "cc") or shutil.which("gcc")
+    f["c_compiler"] = cc  # the native backend compiles its C engine with it at first use
     return f
 
 
@@ -68,10 +72,12 @@ def features(f: dict) -> list[dict]:
         row("onnxruntime backend (CUDA)", "CUDAExecutionProvider" in f["onnxruntime_providers"] and gpu,
             "an NVIDIA GPU and onnxruntime-gpu (on a Jetson: the wheel built for its JetPack)"),
         row("torch backend (CUDA)", gpu, "an NVIDIA GPU and a CUDA build of torch"),
+        row("native backend (CPU, kvedge's C engine)", f["c_compiler"],
+            "a C compiler with OpenMP on PATH (cc / gcc, or set CC): e.g. apt install gcc"),
         row("TensorRT engines", f["tensorrt"] and gpu,
-            "TensorRT's Python bindings and a GPU (JetPack ships them on a Jetson); kvedge's TensorRT path "
-            "is not implemented yet"),
-        row("Triton fused attention", f["triton"] and gpu, "pip install triton, and a GPU (not implemented yet)"),
+            "TensorRT's Python bindings and a GPU (JetPack ships them on a Jetson); kvedge's TensorRT build "
+            "and backend are written but have not run on TensorRT yet"),
+        row("Triton fused attention", f["triton"] and gpu, "pip install triton, and a CUDA GPU"),
         row("text prompts", f["tokenizers"], "pip install tokenizers"),
         row("chat templates", f["jinja2"], "pip install jinja2"),
         row("bench plots", f["matplotlib"], "pip install 'kvedge[bench]'"),
@@ -82,7 +88,7 @@ def features(f: dict) -> list[dict]:
 def table(f: dict) -> str:
     lines = ["environment:"]
     for k in ("kvedge", "python", "platform", "torch", "cuda_available", "onnx", "onnxruntime", "tensorrt", "pycuda",
-              "cuda_python", "triton", "tokenizers", "jinja2", "matplotlib"):
+              "cuda_python", "triton", "tokenizers", "jinja2", "matplotlib", "c_compiler"):
         v = f.get(k)
         lines.append(f"  {k:<22} {'not installed' if v is None else v}")
     lines.append(f"  {'onnxruntime providers':<22} {', '.join(f['onnxruntime_providers']) or 'none'}")
