@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
-import os
 import platform
-import shutil
 import sys
 
 
@@ -53,8 +51,11 @@ def facts() -> dict:
     f["jinja2"] = _version("jinja2")
     f["matplotlib"] = _version("matplotlib")
     f["jetson"] = detect().to_dict()
-    cc = shutil.which(os.environ.get("CC") or "cc") or shutil.which("gcc")
-    f["c_compiler"] = cc  # the native backend compiles its C engine with it at first use
+    f["c_compiler"] = None  # the native backend compiles its C engine with it at first use (it needs torch)
+    if f["torch"]:
+        from kvedge.runtime.native_backend import c_compiler
+
+        f["c_compiler"] = c_compiler()
     return f
 
 

@@ -80,8 +80,13 @@ def dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
     n, nb = qweight.shape[0], qweight.shape[1]
     group = k // nb
     q = _unpack4(qweight, group) if bits == 4 else qweight
-    z = _unpack4(zeros.reshape(n, -1), nb) if bits == 4 else zeros.reshape(n, nb)
+    z = unpack_zeros(zeros, bits, n, nb)
     return dequantize_values(q, scales.reshape(n, nb)[..., None], z[..., None]).reshape(n, k)
+
+
+def unpack_zeros(zeros: torch.Tensor, bits: int, n: int, groups: int) -> torch.Tensor:
+    """The MatMulNBits zero points (4 bits: packed two a byte, rows padded to whole bytes) -> uint8 [n, groups]."""
+    return _unpack4(zeros.reshape(n, -1), groups) if bits == 4 else zeros.reshape(n, groups)
 
 
 def dequantize_values(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:

@@ -30,7 +30,7 @@ from torch import nn
 
 from kvedge.errors import KvedgeError, MissingDependencyError
 from kvedge.models import load_decoder, rope
-from kvedge.models.quant import QUANT_BITS, QuantLinear, _unpack4, lm_head_linear, quantize_decoder
+from kvedge.models.quant import QUANT_BITS, QuantLinear, lm_head_linear, quantize_decoder, unpack_zeros
 from kvedge.runtime.backend import CacheList
 
 SOURCE = Path(__file__).with_name("native") / "kvedge_cpu.c"
@@ -69,10 +69,15 @@ def _cpu() -> str:
     return "".join(sorted({ln for ln in lines if ln.startswith(("model name", "flags", "Features", "CPU part"))}))
 
 
+def c_compiler() -> str | None:
+    """The compiler the engine is built with: $CC when set (and found), else cc or gcc on PATH."""
+    want = os.environ.get("CC")
+    return shutil.which(want) if want else (shutil.which("cc") or shutil.which("gcc"))
+
+
 def compile_engine(flags: tuple[str, ...] = FLAGS, cache_dir: str | Path | None = None) -> ctypes.CDLL:
     """Compile kvedge_cpu.c (once per source, compiler and flags; cached) and load it."""
-    want = os.environ.get("CC")
-    cc = shutil.which(want) if want else (shutil.which("cc") or shutil.which("gcc"))
+    want, cc = os.environ.get("CC"), c_compiler()
     if cc is None:
         raise MissingDependencyError(f"the native backend compiles its C engine at first use and needs a C compiler "
                                      f"with OpenMP ({f'CC={want} is not found' if want else 'no cc or gcc on PATH'}): "
@@ -126,8 +131,7 @@ def pack_linear(dll: ctypes.CDLL, mod: nn.Module, keep: _Keep) -> Linear:
     if k % 32 or group % 32:
         raise KvedgeError(f"the native engine works on groups that are multiples of 32 channels; this linear has "
                           f"{k} inputs in groups of {group}")
-    zeros = mod.zeros.reshape(n, -1)
-    zeros = (_unpack4(zeros, groups) if bits == 4 else zeros).contiguous()
+    zeros = unpack_zeros(mod.zeros, bits, n, groups).contiguous()
     mid = 2 ** (bits - 1)
     sym = bool((zeros == mid).all())
     stride = dll.kv_stride(k)  # per-sub-block figures per row, padded to whole chunks of 8
@@ -214,9 +218,9 @@ class NativeBackend(CacheList):
         if b > self.max_batch:
             raise KvedgeError(f"batch {b} exceeds max_batch {self.max_batch} of this session")
         ids, pos, idx = (t.to(torch.int64).contiguous() for t in (input_ids, position_ids, logits_index))
-        if int(pos.max()) >= self.max_seq_len or int(pos.min()) < 0:
-            raise KvedgeError(f"positions {int(pos.min())}..{int(pos.max())} are outside the cache [0, "
-                              f"{self.max_seq_len})")
+        lo, hi = (int(v) for v in torch.aminmax(pos))  # the engine writes the cache at these: check them
+        if lo < 0 or hi >= self.max_seq_len:
+            raise KvedgeError(f"positions {lo}..{hi} are outside the cache [0, {self.max_seq_len})")
         if self.dll.kv_forward(ctypes.byref(self.m), b, length, ids.data_ptr(), pos.data_ptr(), idx.data_ptr(),
                                self.logits.data_ptr(), self.threads):
             raise KvedgeError("the native engine ran out of memory for its scratch buffers")

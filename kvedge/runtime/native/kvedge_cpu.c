@@ -32,7 +32,13 @@
 /* Weights are fetched this far ahead into L2 (prefetcht1): on a 2-core Xeon (2026-12-02) int8 decode is
  * ~1.15x faster than fetching 4 KiB ahead into L1, int4 alike; without prefetching decode is 1.4x slower. */
 #define PREFETCH_BYTES 16384
-#define PREFETCH_LOCALITY 2
+/* An asm statement on x86: GCC may delete a loop of nothing but __builtin_prefetch as dead code, and did
+ * here once the stride was inlined (int8 decode 1.5x slower). */
+#if defined(__x86_64__) || defined(__i386__)
+#define PREFETCH_L2(p) __asm__ volatile("prefetcht1 %0" : : "m"(*(const char *)(p)))
+#else
+#define PREFETCH_L2(p) __builtin_prefetch((p), 0, 2)
+#endif
 
 typedef struct {
     int32_t n, k, bits, sym;  /* sym: every zero point is zsym (kvedge --symmetric) */
@@ -46,7 +52,9 @@ typedef struct {
 
 /* Per-sub-block figures (scales, zero points, activation scales) are stored per row with a stride of
  * whole chunks of 8 sub-blocks, zero-padded, so every chunk (the last partial one too) is reduced alike. */
-int kv_stride(int k) { return (k / SB + 7) & ~7; }
+static inline int sub_stride(int k) { return (k / SB + 7) & ~7; }
+int kv_stride(int k) { return sub_stride(k); } /* for the Python side: a call inside the library would go
+                                                 * through the PLT on every use (-fPIC) */
 
 /* Where sub-block sb sits among its row's figures: 4 bits, permuted within each chunk as its reduction
  * leaves the sums (0,2,4,6,1,3,5,7); 8 bits, in order. */
@@ -59,7 +67,7 @@ static inline int kv_slot(int bits, int sb) {
  * and, unless symmetric, unpacked zero points [n][k / group]. */
 int kv_pack(kv_linear *l, const float *scales, const uint8_t *zeros, int group) {
     if (l->k % SB || group % SB || l->k % group) return -1;
-    int nsb = l->k / SB, ng = l->k / group, per = group / SB, st = kv_stride(l->k);
+    int nsb = l->k / SB, ng = l->k / group, per = group / SB, st = sub_stride(l->k);
     memset(l->s, 0, sizeof(float) * (size_t)l->n * st);
     if (!l->sym) memset(l->z, 0, (size_t)l->n * st);
     for (int n = 0; n < l->n; n++)
@@ -76,8 +84,8 @@ int kv_pack(kv_linear *l, const float *scales, const uint8_t *zeros, int group) 
  * 8 bits: in order); sa and c = sa * sum(xq) [kv_stride(k)] per sub-block at kv_slot, zero-padded. */
 static void quantize_row(const float *x, int k, int bits, int8_t *xq, float *sa, float *c) {
     int nsb = k / SB;
-    memset(sa, 0, sizeof(float) * kv_stride(k));
-    memset(c, 0, sizeof(float) * kv_stride(k));
+    memset(sa, 0, sizeof(float) * sub_stride(k));
+    memset(c, 0, sizeof(float) * sub_stride(k));
     for (int sb = 0; sb < nsb; sb++) {
         const float *v = x + sb * SB;
         int8_t qv[SB];
@@ -193,7 +201,7 @@ static inline __attribute__((always_inline)) void chunk_sums4(const int rm, cons
 static inline __attribute__((always_inline)) void qdot_rows4(const kv_linear *l, const int rm, int n0,
                                                              const int8_t *const *xq, const float *const *sa,
                                                              const float *const *c, float *out) {
-    int nsb = l->k / SB, st = kv_stride(l->k);
+    int nsb = l->k / SB, st = sub_stride(l->k);
     size_t rb = (size_t)l->k / 2, sbb = SB / 2;
     const uint8_t *q[ROWS];
     const float *sw[ROWS];
@@ -233,13 +241,13 @@ static inline __attribute__((always_inline)) void qdot_rows4(const kv_linear *l,
     }
 }
 
-/* 8 bits, as qdot_rows_bits, without horizontal sums per sub-block: each sub-block's 8 lanes of integer
+/* 8 bits, as qdot_rows4, without horizontal sums per sub-block: each sub-block's 8 lanes of integer
  * partial sums are converted and scaled by sw * sa broadcast from memory (load ports, not shuffles), and
  * the zero-point term sum(sw * z * c) is a plain vector dot over the sub-blocks. */
 static inline __attribute__((always_inline)) void qdot_rows8(const kv_linear *l, const int rm, int n0,
                                                              const int8_t *const *xq, const float *const *sa,
                                                              const float *const *c, float *out) {
-    int nsb = l->k / SB, st = kv_stride(l->k);
+    int nsb = l->k / SB, st = sub_stride(l->k);
     const uint8_t *q[ROWS];
     const float *sw[ROWS];
     const uint8_t *zr[ROWS];
@@ -302,7 +310,7 @@ static void qdot_rows(const kv_linear *l, int rm, int n0, const int8_t *const *x
 #else /* portable C: the same arithmetic, one channel at a time */
 static void qdot_rows(const kv_linear *l, int rm, int n0, const int8_t *const *xqs, const float *const *sas,
                       const float *const *cs, float *out) {
-    int nsb = l->k / SB, st = kv_stride(l->k);
+    int nsb = l->k / SB, st = sub_stride(l->k);
     size_t rb = (size_t)l->k * l->bits / 8;
     for (int j = 0; j < rm; j++)
         for (int i = 0; i < ROWS; i++) {
@@ -339,8 +347,6 @@ static float fdot(const float *a, const float *b, int k) {
     return s;
 }
 
-/* y[m][n] = x[m] . W[n] (+ bias) for m rows; called inside a parallel region (tiles of ROWS rows of W
- * split between the threads). xq, sa, c: scratch for m rows (m * k bytes, m * kv_stride(k) floats). */
 /* The rows [*r0, *r1) of n this thread handles: all of them when every thread does the work itself (rep). */
 static inline void span(int rep, int n, int *r0, int *r1) {
     if (rep) {
@@ -353,11 +359,11 @@ static inline void span(int rep, int n, int *r0, int *r1) {
 
 /* prefetch weight rows [n0, n1) of a quantized linear (bytes and scales) */
 static inline void fetch_rows(const kv_linear *l, int n0, int n1) {
-    size_t rb = (size_t)l->k * l->bits / 8, st = kv_stride(l->k);
+    size_t rb = (size_t)l->k * l->bits / 8, st = sub_stride(l->k);
     if (l->w || n1 <= n0) return;
     const char *q = (const char *)(l->q + (size_t)n0 * rb), *s = (const char *)(l->s + (size_t)n0 * st);
-    for (size_t o = 0; o < (size_t)(n1 - n0) * rb; o += 64) __builtin_prefetch(q + o, 0, PREFETCH_LOCALITY);
-    for (size_t o = 0; o < sizeof(float) * (n1 - n0) * st; o += 64) __builtin_prefetch(s + o, 0, PREFETCH_LOCALITY);
+    for (size_t o = 0; o < (size_t)(n1 - n0) * rb; o += 64) PREFETCH_L2(q + o);
+    for (size_t o = 0; o < sizeof(float) * (n1 - n0) * st; o += 64) PREFETCH_L2(s + o);
 }
 
 /* this thread's weight rows [*n0, *n1) of l (whole tiles of ROWS), and how many rows it fetches ahead */
@@ -375,9 +381,13 @@ static void fetch_head(const kv_linear *l) {
     fetch_rows(l, n0, n0 + ahead < n1 ? n0 + ahead : n1);
 }
 
+/* y[m][n] = x[m] . W[n] (+ bias) for m rows; called inside a parallel region (tiles of ROWS rows of W
+ * split between the threads), it ends with a barrier. xq, sa, c: scratch for m rows (m * k bytes,
+ * m * kv_stride(k) floats); with rep, this thread's own. next: the projection that follows, whose weight
+ * stream this thread starts before the barrier. */
 static void linear_rows(const kv_linear *l, int m, const float *x, float *y, int8_t *xq, float *sa, float *c,
                         int rep, const kv_linear *next) {
-    int st = kv_stride(l->k), n_start, n_end;
+    int st = sub_stride(l->k), n_start, n_end;
     int ahead = my_rows(l, &n_start, &n_end);
     int r0, r1; /* rep: each thread quantizes the (few) rows into its own buffers, no barrier needed */
     span(rep, m, &r0, &r1);
@@ -415,7 +425,7 @@ static void linear_rows(const kv_linear *l, int m, const float *x, float *y, int
 
 /* y = x W^T for m rows, on `threads` threads: the entry point the tests and benchmarks call */
 int kv_linear_forward(const kv_linear *l, int m, const float *x, float *y, int threads) {
-    int st = kv_stride(l->k);
+    int st = sub_stride(l->k);
     int8_t *xq = malloc((size_t)m * l->k);
     float *sa = malloc(sizeof(float) * (size_t)m * st), *c = malloc(sizeof(float) * (size_t)m * st);
     if (!xq || !sa || !c) return -1;
@@ -626,8 +636,8 @@ int kv_forward(const kv_model *m, int B, int L, const int64_t *ids, const int64_
     float *t = malloc(sizeof(float) * (size_t)M * (qkv_n > up_n ? qkv_n : up_n)), *t2 = malloc(sizeof(float) * (size_t)M * H);
     float *a = malloc(sizeof(float) * (size_t)M * (hq * d > m->inter ? hq * d : m->inter));
     int8_t *xq = malloc(copies * (size_t)M * kmax);
-    float *sa = malloc(sizeof(float) * copies * (size_t)M * kv_stride(kmax));
-    float *c = malloc(sizeof(float) * copies * (size_t)M * kv_stride(kmax));
+    float *sa = malloc(sizeof(float) * copies * (size_t)M * sub_stride(kmax));
+    float *c = malloc(sizeof(float) * copies * (size_t)M * sub_stride(kmax));
     float *scores = malloc(sizeof(float) * (size_t)threads * QB * m->max_seq);
     if (!x || !h || !t || !t2 || !a || !xq || !sa || !c || !scores) {
         free(x), free(h), free(t), free(t2), free(a), free(xq), free(sa), free(c), free(scores);
@@ -639,11 +649,7 @@ int kv_forward(const kv_model *m, int B, int L, const int64_t *ids, const int64_
         float *sc = scores + (size_t)tid * QB * m->max_seq;
         float *xs = x + (size_t)me * M * H, *hs = h + (size_t)me * M * H; /* this thread's (or the shared) */
         int8_t *qs8 = xq + (size_t)me * M * kmax;
-        float *sas = sa + (size_t)me * M * kv_stride(kmax), *cs = c + (size_t)me * M * kv_stride(kmax);
-#define ROWS_BARRIER()      \
-    if (!rep) {             \
-        _Pragma("omp barrier") \
-    }
+        float *sas = sa + (size_t)me * M * sub_stride(kmax), *cs = c + (size_t)me * M * sub_stride(kmax);
         span(rep, M, &r0, &r1);
         for (int r = r0; r < r1; r++)
             for (int i = 0; i < H; i++) xs[(size_t)r * H + i] = m->embed[(size_t)ids[r] * H + i] * m->embed_scale;
@@ -713,7 +719,9 @@ int kv_forward(const kv_model *m, int B, int L, const int64_t *ids, const int64_
                 for (int i = 0; i < H; i++) xr[i] += o[i];
             }
         }
-        ROWS_BARRIER(); /* the final norm splits by batch row: other threads' token rows */
+        if (!rep) { /* the final norm splits by batch row: other threads' token rows */
+#pragma omp barrier
+        }
         int b0, b1;
         span(rep, B, &b0, &b1);
         for (int b = b0; b < b1; b++)
@@ -724,7 +732,6 @@ int kv_forward(const kv_model *m, int B, int L, const int64_t *ids, const int64_
             for (size_t i = 0; i < (size_t)B * m->vocab; i++)
                 logits[i] = tanhf(logits[i] / m->final_softcap) * m->final_softcap;
         }
-#undef ROWS_BARRIER
     }
     free(x), free(h), free(t), free(t2), free(a), free(xq), free(sa), free(c), free(scores);
     return 0;
