@@ -27,6 +27,19 @@ def test_round_trip_error_is_at_most_half_a_step(bits, group):
     assert q.shape == (48, 128 // group, group * bits // 8) and q.dtype == torch.uint8
 
 
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_scales_are_float16_values_rounded_up(symmetric):
+    """Every scale is exactly a float16 (runtimes may store 16 bits), the least one >= the exact range / steps."""
+    for bits in (4, 8):
+        _, s, _ = quantize(W, bits, 32, symmetric=symmetric)
+        wg = W.reshape(48, -1, 32)
+        exact = (wg.abs().amax(-1) / (2 ** (bits - 1) - 1) if symmetric else
+                 (wg.amax(-1).clamp(min=0) - wg.amin(-1).clamp(max=0)) / (2**bits - 1)).reshape(-1)
+        assert torch.equal(s.half().float(), s)
+        below = torch.nextafter(s.half(), torch.tensor(float("-inf"), dtype=torch.float16)).float()
+        assert torch.all(s >= exact) and torch.all(below < exact)  # the least float16 >= exact
+
+
 def test_bad_group():
     with pytest.raises(KvedgeError, match="not a multiple of the group size 48"):
         quantize(W, 4, 48)
@@ -137,9 +150,10 @@ def test_symmetric_groups_put_zero_at_the_midpoint(bits):
     back = dequantize(q, s, z, bits, W.shape[1])
     step = s.reshape(48, -1).repeat_interleave(32, dim=1)
     assert torch.all((back - W).abs() <= step / 2 + 1e-6)
-    # each group's largest |w| lands on +-(mid - 1) steps: the signed range TensorRT takes, symmetric
+    # each group's largest |w| lands on +-(mid - 1) steps: the signed range TensorRT takes, symmetric (the
+    # scale is max|w| / (mid - 1) rounded up to a float16 value, by 2^-10 of itself at most)
     amax = W.reshape(48, -1, 32).abs().amax(-1).reshape(-1)
-    assert torch.allclose(amax / s, torch.full_like(s, mid - 1), rtol=1e-5)
+    assert torch.all(amax / s <= mid - 1) and torch.all(amax / s >= (mid - 1) * (1 - 2**-10))
 
 
 @pytest.mark.parametrize("scheme", ["int4", "int8"])

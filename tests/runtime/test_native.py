@@ -14,6 +14,7 @@ from __future__ import annotations
 import ctypes
 import platform
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -31,7 +32,7 @@ pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc
 # The kernels each build compiles: AVX-VNNI where the CPU has it (-march=native), AVX2 without VNNI, portable C.
 BUILDS = {"native": FLAGS}
 if platform.machine() in ("x86_64", "AMD64"):
-    BUILDS["avx2"] = tuple(f for f in FLAGS if f != "-march=native") + ("-mavx2", "-mfma")
+    BUILDS["avx2"] = tuple(f for f in FLAGS if f != "-march=native") + ("-mavx2", "-mfma", "-mf16c")
     BUILDS["portable"] = tuple(f for f in FLAGS if f != "-march=native")
 
 
@@ -46,6 +47,18 @@ def fake_quant(x: torch.Tensor) -> torch.Tensor:
 @pytest.fixture(scope="module", params=list(BUILDS))
 def engine(request, tmp_path_factory):
     return compile_engine(BUILDS[request.param], cache_dir=tmp_path_factory.mktemp("native"))
+
+
+def test_each_build_runs_the_kernels_it_is_meant_to(engine, request):
+    """The vector kernels need AVX2, FMA and F16C; a build that silently fell back to portable C would pass
+    every numeric test here and be several times slower."""
+    build = request.node.callspec.params["engine"]
+    flags = set()
+    if Path("/proc/cpuinfo").is_file():
+        flags = {f for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")
+                 for f in ln.split(":", 1)[1].split()}
+    vector = build == "avx2" or (build == "native" and {"avx2", "fma", "f16c"} <= flags)
+    assert engine.kv_simd() == int(vector)
 
 
 def quant_linear(w, bits, group, symmetric):
@@ -202,3 +215,27 @@ def test_odd_thread_counts_and_wide_batches_split_the_work_correctly(hf_checkpoi
     a = native.generate(prompts, max_new_tokens=10, eos_token_id=None)
     b = ref.generate(prompts, max_new_tokens=10, eos_token_id=None)
     assert a.tokens == b.tokens
+
+
+@pytest.mark.parametrize("case,threads,batch", [("llama-gqa4-llama3rope", 2, 1), ("llama-mqa-linearrope", 3, 2),
+                                                ("gemma", 2, 1), ("gemma2", 3, 2), ("llama-mha", 2, 2)])
+def test_long_ragged_decode_equals_torch(case, threads, batch, hf_checkpoint):
+    """Decode past 32 cached positions (many 4-key blocks, a partial last one), on 2 and 3 threads, one row or
+    two ragged ones: float32 logits and caches equal the PyTorch model's. GQA 4, MQA with 8 query heads (2
+    blocks of 4), MQA with 4, gemma2 (windowed and global layers, soft-capped scores), MHA."""
+    path, _ = hf_checkpoint(case)
+    model = load_decoder(path, dtype="float32")
+    native = NativeBackend(path, max_batch=batch, max_seq_len=MAX_SEQ, threads=threads, model=model)
+    cache = KVCache.allocate(model.cfg, batch, MAX_SEQ, dtype=torch.float32)
+    g = torch.Generator().manual_seed(7)
+    ids = torch.randint(3, model.cfg.vocab_size, (batch, 50), generator=g)
+    last = torch.tensor([49, 33])[:batch]  # ragged: row 1's decode starts at position 34
+    steps = [(ids, torch.arange(50).expand(batch, -1).contiguous(), last)]
+    for i in range(5):
+        steps.append((torch.randint(3, model.cfg.vocab_size, (batch, 1), generator=g), (last + 1 + i)[:, None],
+                      torch.zeros(batch, dtype=torch.long)))
+    for ids_, pos_, idx in steps:
+        got, want = _run(model, native, ids_, pos_, idx), _run(model, cache, ids_, pos_, idx)
+        assert (got - want).abs().max() <= 1e-5 * want.abs().max(), case
+    for mine, ref in zip(native.caches[0::2] + native.caches[1::2], cache.keys + cache.values):
+        torch.testing.assert_close(mine, ref, rtol=0, atol=1e-5 * float(ref.abs().max()))

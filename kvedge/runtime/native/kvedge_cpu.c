@@ -24,9 +24,15 @@
 #include <stdlib.h>
 #include <string.h>
 #include <omp.h>
-#if defined(__AVX2__)
+/* The vector paths take AVX2 with FMA and F16C (every AVX2 CPU has both; -march=native turns them on) */
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define KV_AVX2 1
 #include <immintrin.h>
+#else
+#define KV_AVX2 0
 #endif
+
+int kv_simd(void) { return KV_AVX2; } /* which kernels this build has: 1 AVX2, 0 portable C */
 
 #define SB 32 /* input channels per sub-block */
 /* Weights are fetched this far ahead into L2 (prefetcht1): on a 2-core Xeon (2026-12-02) int8 decode is
@@ -44,8 +50,8 @@ typedef struct {
     int32_t n, k, bits, sym;  /* sym: every zero point is zsym (kvedge --symmetric) */
     float zsym;
     const uint8_t *q;         /* MatMulNBits bytes [n][k * bits / 8] */
-    float *s;                 /* [n][kv_stride(k)] scales per sub-block, in kernel order (kv_pack) */
-    uint8_t *z;               /* [n][kv_stride(k)] zero points per sub-block, kernel order; NULL when sym */
+    uint16_t *s;              /* [n][kv_stride(k, bits)] float16 scales per sub-block, kernel order (kv_pack) */
+    uint8_t *z;               /* [n][kv_stride(k, bits)] zero points per sub-block, kernel order; NULL when sym */
     const float *w;           /* fp32 weight [n][k] instead of q/s/z (an unquantized linear) */
     const float *bias;        /* [n] or NULL */
 } kv_linear;
@@ -53,8 +59,12 @@ typedef struct {
 /* Per-sub-block figures (scales, zero points, activation scales) are stored per row with a stride of
  * whole chunks of 8 sub-blocks, zero-padded, so every chunk (the last partial one too) is reduced alike. */
 static inline int sub_stride(int k) { return (k / SB + 7) & ~7; }
-int kv_stride(int k) { return sub_stride(k); } /* for the Python side: a call inside the library would go
-                                                 * through the PLT on every use (-fPIC) */
+/* A weight row's scales and zero points: 4 bits, padded so (as above) for the chunk permutation; 8 bits,
+ * one per sub-block, unpadded (a last partial chunk reads the next row's figures, or the 8 entries of
+ * padding after the last row, into lanes whose activation figures are 0). */
+static inline int w_stride(int k, int bits) { return bits == 4 ? sub_stride(k) : k / SB; }
+int kv_stride(int k, int bits) { return w_stride(k, bits); } /* for the Python side: a call inside the
+                                                               * library would go through the PLT (-fPIC) */
 
 /* Where sub-block sb sits among its row's figures: 4 bits, permuted within each chunk as its reduction
  * leaves the sums (0,2,4,6,1,3,5,7); 8 bits, in order. */
@@ -63,13 +73,13 @@ static inline int kv_slot(int bits, int sb) {
     return bits == 4 ? (sb & ~7) + inv[sb & 7] : sb;
 }
 
-/* Fill l->s and l->z (allocated by the caller, n * kv_stride(k) each) from per-group scales [n][k / group]
- * and, unless symmetric, unpacked zero points [n][k / group]. */
-int kv_pack(kv_linear *l, const float *scales, const uint8_t *zeros, int group) {
+/* Fill l->s and l->z (allocated by the caller, n * kv_stride(k, bits) + 8 each) from per-group float16
+ * scales [n][k / group] and, unless symmetric, unpacked zero points [n][k / group]. */
+int kv_pack(kv_linear *l, const uint16_t *scales, const uint8_t *zeros, int group) {
     if (l->k % SB || group % SB || l->k % group) return -1;
-    int nsb = l->k / SB, ng = l->k / group, per = group / SB, st = sub_stride(l->k);
-    memset(l->s, 0, sizeof(float) * (size_t)l->n * st);
-    if (!l->sym) memset(l->z, 0, (size_t)l->n * st);
+    int nsb = l->k / SB, ng = l->k / group, per = group / SB, st = w_stride(l->k, l->bits);
+    memset(l->s, 0, sizeof(uint16_t) * ((size_t)l->n * st + 8));
+    if (!l->sym) memset(l->z, 0, (size_t)l->n * st + 8);
     for (int n = 0; n < l->n; n++)
         for (int sb = 0; sb < nsb; sb++) {
             size_t at = (size_t)n * st + kv_slot(l->bits, sb);
@@ -90,7 +100,7 @@ static void quantize_row(const float *x, int k, int bits, int8_t *xq, float *sa,
         const float *v = x + sb * SB;
         int8_t qv[SB];
         int sum = 0;
-#if defined(__AVX2__) /* the same arithmetic: cvtps rounds half to even, as nearbyintf does by default */
+#if KV_AVX2 /* the same arithmetic: cvtps rounds half to even, as nearbyintf does by default */
         __m256 v0 = _mm256_loadu_ps(v), v1 = _mm256_loadu_ps(v + 8), v2 = _mm256_loadu_ps(v + 16),
                v3 = _mm256_loadu_ps(v + 24), sign = _mm256_set1_ps(-0.f);
         __m256 mx = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v0), _mm256_andnot_ps(sign, v1)),
@@ -141,7 +151,7 @@ static void quantize_row(const float *x, int k, int bits, int8_t *xq, float *sa,
 
 #define ROWS 4 /* weight rows a kernel call computes together (sharing activation loads and the final sums) */
 
-#if defined(__AVX2__)
+#if KV_AVX2
 static inline __m256i dot_u8s8(__m256i acc, __m256i u, __m256i s) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
     return _mm256_dpbusd_epi32(acc, u, s);
@@ -154,6 +164,8 @@ static inline __m256i dot_u8s8(__m256i acc, __m256i u, __m256i s) {
     return _mm256_add_epi32(acc, _mm256_add_epi32(_mm256_madd_epi16(ulo, slo), _mm256_madd_epi16(uhi, shi)));
 #endif
 }
+
+static inline __m256 load_half8(const uint16_t *h) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)h)); }
 
 static inline float hsum_f32(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -201,10 +213,10 @@ static inline __attribute__((always_inline)) void chunk_sums4(const int rm, cons
 static inline __attribute__((always_inline)) void qdot_rows4(const kv_linear *l, const int rm, int n0,
                                                              const int8_t *const *xq, const float *const *sa,
                                                              const float *const *c, float *out) {
-    int nsb = l->k / SB, st = sub_stride(l->k);
+    int nsb = l->k / SB, st = w_stride(l->k, 4);
     size_t rb = (size_t)l->k / 2, sbb = SB / 2;
     const uint8_t *q[ROWS];
-    const float *sw[ROWS];
+    const uint16_t *sw[ROWS];
     const uint8_t *zr[ROWS];
     __m256 acc[ROWS][2];
 #pragma GCC unroll 4
@@ -228,7 +240,7 @@ static inline __attribute__((always_inline)) void qdot_rows4(const kv_linear *l,
                 chunk_sums4(rm, q[i] + sb * sbb, xq, (size_t)sb * SB, nsb - sb, r);
             __m256 z = zr[i] ? _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(zr[i] + sb))))
                              : zs;
-            __m256 w = _mm256_loadu_ps(sw[i] + sb);
+            __m256 w = load_half8(sw[i] + sb);
             for (int j = 0; j < rm; j++) {
                 __m256 t = _mm256_fnmadd_ps(z, cv[j], _mm256_mul_ps(_mm256_cvtepi32_ps(r[j]), sav[j]));
                 acc[i][j] = _mm256_fmadd_ps(t, w, acc[i][j]);
@@ -247,9 +259,9 @@ static inline __attribute__((always_inline)) void qdot_rows4(const kv_linear *l,
 static inline __attribute__((always_inline)) void qdot_rows8(const kv_linear *l, const int rm, int n0,
                                                              const int8_t *const *xq, const float *const *sa,
                                                              const float *const *c, float *out) {
-    int nsb = l->k / SB, st = sub_stride(l->k);
+    int nsb = l->k / SB, st = w_stride(l->k, 8);
     const uint8_t *q[ROWS];
-    const float *sw[ROWS];
+    const uint16_t *sw[ROWS];
     const uint8_t *zr[ROWS];
     __m256 acc[ROWS][2], accz[ROWS][2];
     const __m256i zero = _mm256_setzero_si256();
@@ -266,7 +278,7 @@ static inline __attribute__((always_inline)) void qdot_rows8(const kv_linear *l,
         float prod[ROWS][2][8];
 #pragma GCC unroll 4
         for (int i = 0; i < ROWS; i++) {
-            __m256 w = _mm256_loadu_ps(sw[i] + sb);
+            __m256 w = load_half8(sw[i] + sb);
             __m256 wz = zr[i] ? _mm256_mul_ps(w, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
                                                      _mm_loadl_epi64((const __m128i *)(zr[i] + sb)))))
                               : w;
@@ -308,16 +320,35 @@ static void qdot_rows(const kv_linear *l, int rm, int n0, const int8_t *const *x
         qdot_rows8(l, 1, n0, xq, sa, c, out);
 }
 #else /* portable C: the same arithmetic, one channel at a time */
+/* IEEE half -> float (exact): normal, subnormal (renormalized), zero, inf / NaN */
+static float half_to_float(uint16_t h) {
+    uint32_t sign = (uint32_t)(h >> 15) << 31, e = (h >> 10) & 31, m = h & 1023, bits;
+    if (e == 31)
+        bits = sign | 0x7F800000u | (m << 13);
+    else if (e)
+        bits = sign | ((e + 112) << 23) | (m << 13);
+    else if (!m)
+        bits = sign;
+    else {
+        e = 113;
+        while (!(m & 1024)) m <<= 1, e--;
+        bits = sign | (e << 23) | ((m & 1023) << 13);
+    }
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
 static void qdot_rows(const kv_linear *l, int rm, int n0, const int8_t *const *xqs, const float *const *sas,
                       const float *const *cs, float *out) {
-    int nsb = l->k / SB, st = sub_stride(l->k);
+    int nsb = l->k / SB, st = w_stride(l->k, l->bits);
     size_t rb = (size_t)l->k * l->bits / 8;
     for (int j = 0; j < rm; j++)
         for (int i = 0; i < ROWS; i++) {
             const int8_t *xq = xqs[j];
             const float *sa = sas[j], *c = cs[j];
             int n = n0 + i < l->n ? n0 + i : l->n - 1;
-            const float *sw = l->s + (size_t)n * st;
+            const uint16_t *sw = l->s + (size_t)n * st;
             const uint8_t *q = l->q + (size_t)n * rb;
             float y = 0.f;
             for (int sb = 0; sb < nsb; sb++) {
@@ -333,7 +364,7 @@ static void qdot_rows(const kv_linear *l, int rm, int n0, const int8_t *const *x
                 }
                 int slot = kv_slot(l->bits, sb);
                 float z = l->sym ? l->zsym : l->z[(size_t)n * st + slot];
-                y += sw[slot] * (sa[slot] * (float)d - z * c[slot]);
+                y += half_to_float(sw[slot]) * (sa[slot] * (float)d - z * c[slot]);
             }
             out[j * ROWS + i] = y;
         }
@@ -359,11 +390,11 @@ static inline void span(int rep, int n, int *r0, int *r1) {
 
 /* prefetch weight rows [n0, n1) of a quantized linear (bytes and scales) */
 static inline void fetch_rows(const kv_linear *l, int n0, int n1) {
-    size_t rb = (size_t)l->k * l->bits / 8, st = sub_stride(l->k);
     if (l->w || n1 <= n0) return;
+    size_t rb = (size_t)l->k * l->bits / 8, st = w_stride(l->k, l->bits);
     const char *q = (const char *)(l->q + (size_t)n0 * rb), *s = (const char *)(l->s + (size_t)n0 * st);
     for (size_t o = 0; o < (size_t)(n1 - n0) * rb; o += 64) PREFETCH_L2(q + o);
-    for (size_t o = 0; o < sizeof(float) * (n1 - n0) * st; o += 64) PREFETCH_L2(s + o);
+    for (size_t o = 0; o < sizeof(uint16_t) * (n1 - n0) * st; o += 64) PREFETCH_L2(s + o);
 }
 
 /* this thread's weight rows [*n0, *n1) of l (whole tiles of ROWS), and how many rows it fetches ahead */
@@ -481,7 +512,7 @@ static void rope(float *x, const float *cs, const float *sn, int half) {
     }
 }
 
-#if defined(__AVX2__)
+#if KV_AVX2
 /* e^x for x <= 0 (softmax after subtracting the max): 2^(x log2 e) split into 2^n * 2^f, f in [-0.5, 0.5],
  * 2^f by its degree-6 Taylor polynomial (relative error < 2e-7); below -87 it is 0. */
 static inline __m256 exp_neg(__m256 x) {
@@ -505,7 +536,7 @@ static inline __m256 exp_neg(__m256 x) {
 static float softmax_exp(float *s, int n, float mx) {
     float sum = 0.f;
     int i = 0;
-#if defined(__AVX2__)
+#if KV_AVX2
     __m256 acc = _mm256_setzero_ps(), m = _mm256_set1_ps(mx);
     for (; i + 8 <= n; i += 8) {
         __m256 e = exp_neg(_mm256_sub_ps(_mm256_loadu_ps(s + i), m));
@@ -522,7 +553,7 @@ static float softmax_exp(float *s, int n, float mx) {
  * v * sigmoid(v), sigmoid(v) = 1 / (1 + e) for v >= 0 and e / (1 + e) below, e = exp(-|v|) */
 static void act_chunk(const kv_model *m, const float *u, float *a, int i0, int i1) {
     int I = m->inter, i = i0;
-#if defined(__AVX2__)
+#if KV_AVX2
     if (m->act == ACT_SILU && i1 - i0 == 8) {
         __m256 v = _mm256_loadu_ps(u + i0), one = _mm256_set1_ps(1.f);
         __m256 e = exp_neg(_mm256_or_ps(v, _mm256_set1_ps(-0.f))); /* -|v| */
@@ -553,7 +584,7 @@ static void attend(const kv_model *m, const float *const *q, int nq, const int *
     float *sc[QB], mx[QB];
     for (int i = 0; i < QB; i++) sc[i] = scores + (size_t)i * m->max_seq, mx[i] = -INFINITY;
     int j = first;
-#if defined(__AVX2__)
+#if KV_AVX2
     if (d % 8 == 0) /* 4 keys x the queries at a time: each K and q vector loaded once per 4 x nq dots */
         for (; j + 4 <= hi + 1; j += 4) {
             __m256 acc[QB][4];
