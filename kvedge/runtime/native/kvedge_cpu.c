@@ -397,6 +397,30 @@ static inline void fetch_rows(const kv_linear *l, int n0, int n1) {
     for (size_t o = 0; o < sizeof(uint16_t) * (n1 - n0) * st; o += 64) PREFETCH_L2(s + o);
 }
 
+/* Byte ranges a thread fetches into L2 a share at a time while it streams a projection's weights: decode's
+ * attention reads each layer's cache once a token, a few slices too short for the hardware prefetchers to
+ * ramp up on, so each thread fetches its attention work's K and V rows during the qkv projection. */
+#define FETCH_RANGES 16
+typedef struct {
+    const char *p[FETCH_RANGES];
+    size_t left[FETCH_RANGES], total;
+    int count, at;
+} kv_fetch;
+
+static void fetch_add(kv_fetch *f, const void *p, size_t bytes) {
+    if (f->count < FETCH_RANGES && bytes) f->p[f->count] = p, f->left[f->count++] = bytes, f->total += bytes;
+}
+
+/* fetch the next `bytes` (rounded up to whole lines) of f's ranges */
+static void fetch_some(kv_fetch *f, size_t bytes) {
+    while (bytes && f->at < f->count) {
+        size_t take = f->left[f->at] < bytes ? f->left[f->at] : bytes;
+        for (size_t o = 0; o < take; o += 64) PREFETCH_L2(f->p[f->at] + o);
+        f->p[f->at] += take, f->left[f->at] -= take, bytes -= take;
+        if (!f->left[f->at]) f->at++;
+    }
+}
+
 /* this thread's weight rows [*n0, *n1) of l (whole tiles of ROWS), and how many rows it fetches ahead */
 static inline int my_rows(const kv_linear *l, int *n0, int *n1) {
     int tiles = (l->n + ROWS - 1) / ROWS, t0, t1;
@@ -414,12 +438,13 @@ static void fetch_head(const kv_linear *l) {
 
 /* y[m][n] = x[m] . W[n] (+ bias) for m rows; called inside a parallel region (tiles of ROWS rows of W
  * split between the threads), it ends with a barrier. xq, sa, c: scratch for m rows (m * k bytes,
- * m * kv_stride(k) floats); with rep, this thread's own. next: the projection that follows, whose weight
- * stream this thread starts before the barrier. */
+ * m * sub_stride(k) floats); with rep, this thread's own. next: the projection that follows, whose weight
+ * stream this thread starts before the barrier. more (or NULL): ranges fetched along the way. */
 static void linear_rows(const kv_linear *l, int m, const float *x, float *y, int8_t *xq, float *sa, float *c,
-                        int rep, const kv_linear *next) {
+                        int rep, const kv_linear *next, kv_fetch *more) {
     int st = sub_stride(l->k), n_start, n_end;
     int ahead = my_rows(l, &n_start, &n_end);
+    size_t share = more ? more->total / ((n_end - n_start) / ROWS + 1) + 64 : 0; /* of `more`, a tile */
     int r0, r1; /* rep: each thread quantizes the (few) rows into its own buffers, no barrier needed */
     span(rep, m, &r0, &r1);
     for (int r = r0; r < r1 && !l->w; r++)
@@ -432,6 +457,7 @@ static void linear_rows(const kv_linear *l, int m, const float *x, float *y, int
         int rows = l->n - n0 < ROWS ? l->n - n0 : ROWS;
         if (n0 + ahead < n_end) /* decode streams every weight once: fetch ahead */
             fetch_rows(l, n0 + ahead, n0 + ahead + ROWS < n_end ? n0 + ahead + ROWS : n_end);
+        if (more) fetch_some(more, share);
         for (int r = 0; r < m; r += 2) {
             int rm = r + 1 < m ? 2 : 1;
             float out[2 * ROWS];
@@ -461,7 +487,7 @@ int kv_linear_forward(const kv_linear *l, int m, const float *x, float *y, int t
     float *sa = malloc(sizeof(float) * (size_t)m * st), *c = malloc(sizeof(float) * (size_t)m * st);
     if (!xq || !sa || !c) return -1;
 #pragma omp parallel num_threads(threads)
-    linear_rows(l, m, x, y, xq, sa, c, 0, NULL);
+    linear_rows(l, m, x, y, xq, sa, c, 0, NULL, NULL);
     free(xq), free(sa), free(c);
     return 0;
 }
@@ -569,6 +595,9 @@ static void act_chunk(const kv_model *m, const float *u, float *a, int i0, int i
 
 #define QB 4 /* queries of one row and head attended together: each K and V row is loaded once for them */
 
+/* The first cache slot a query at position p sees (window 0: none) */
+static inline int first_slot(int p, int window) { return window > 0 && p - window + 1 > 0 ? p - window + 1 : 0; }
+
 /* Queries i < nq over one KV head's cache, sharing every K and V load: consecutive positions of one row and
  * head (prefill), or the query heads of one KV head at one position (decode, GQA). Query i, at position
  * ps[i] (non-decreasing), sees slots [lo_i, ps[i]], lo_i = max(0, ps[i] - window + 1) (window 0: none).
@@ -578,7 +607,7 @@ static void attend(const kv_model *m, const float *const *q, int nq, const int *
     int d = m->d, lo[QB], p[QB], hi = ps[nq - 1];
     for (int i = 0; i < QB; i++) {
         p[i] = ps[i < nq ? i : nq - 1];
-        lo[i] = window > 0 && p[i] - window + 1 > 0 ? p[i] - window + 1 : 0;
+        lo[i] = first_slot(p[i], window);
     }
     int first = lo[0];
     float *sc[QB], mx[QB];
@@ -688,7 +717,17 @@ int kv_forward(const kv_model *m, int B, int L, const int64_t *ids, const int64_
             const kv_layer *ly = &m->layers[li];
             /* rows [r0, r1) are this thread's from the embedding to each projection's quantized input */
             for (int r = r0; r < r1; r++) rmsnorm(xs + (size_t)r * H, ly->attn_norm, H, m->eps, m->unit_offset, hs + (size_t)r * H);
-            linear_rows(&ly->qkv, M, hs, t, qs8, sas, cs, rep, &ly->o);
+            /* attention's work items (below): prefill, blocks of QB consecutive queries of one head; decode
+             * (L = 1), the query heads of one KV head in groups of QB, so each K/V row is read once for them */
+            int per = L > 1 ? (L + QB - 1) / QB : (g + QB - 1) / QB, heads = L > 1 ? hq : hkv;
+            kv_fetch more = {0}; /* decode: the cache rows this thread's items will read (item i: thread i % nt) */
+            for (int it = tid, nt = omp_get_num_threads(); L == 1 && it < B * heads * per; it += nt) {
+                int b = it / (heads * per), kh = it / per % heads, p = (int)pos[b], lo = first_slot(p, ly->window);
+                size_t at = (((size_t)b * hkv + kh) * m->max_seq + lo) * d, bytes = sizeof(float) * (size_t)(p - lo) * d;
+                if (more.count && more.p[more.count - 2] == (const char *)(ly->k_cache + at)) continue; /* blocks */
+                fetch_add(&more, ly->k_cache + at, bytes), fetch_add(&more, ly->v_cache + at, bytes);
+            }
+            linear_rows(&ly->qkv, M, hs, t, qs8, sas, cs, rep, &ly->o, L == 1 ? &more : NULL);
             /* q/k norm, rotation, cache write: one (row, head) at a time */
 #pragma omp for schedule(static) collapse(2)
             for (int r = 0; r < M; r++)
@@ -706,9 +745,6 @@ int kv_forward(const kv_model *m, int B, int L, const int64_t *ids, const int64_
                         memcpy(ly->v_cache + slot, v + (size_t)hkv * d, sizeof(float) * d);
                     }
                 }
-            /* work items: prefill, blocks of QB consecutive queries of one head; decode (L = 1), the query
-             * heads of one KV head in groups of QB, so each K/V row is read once for all of them */
-            int per = L > 1 ? (L + QB - 1) / QB : (g + QB - 1) / QB, heads = L > 1 ? hq : hkv;
 #pragma omp for schedule(static, 1) collapse(3)
             for (int b = 0; b < B; b++)
                 for (int hh = 0; hh < heads; hh++)
@@ -727,7 +763,7 @@ int kv_forward(const kv_model *m, int B, int L, const int64_t *ids, const int64_
                         size_t base = ((size_t)b * hkv + kh) * m->max_seq * d;
                         attend(m, qp, nq, ps, ly->window, ly->k_cache + base, ly->v_cache + base, sc, outs);
                     }
-            linear_rows(&ly->o, M, a, t2, qs8, sas, cs, rep, &ly->up);
+            linear_rows(&ly->o, M, a, t2, qs8, sas, cs, rep, &ly->up, NULL);
             for (int r = r0; r < r1; r++) { /* x += o (post-normed into h first: t2 stays read-only here) */
                 const float *o = t2 + (size_t)r * H;
                 float *hr = hs + (size_t)r * H, *xr = xs + (size_t)r * H;
@@ -735,14 +771,14 @@ int kv_forward(const kv_model *m, int B, int L, const int64_t *ids, const int64_
                 for (int i = 0; i < H; i++) xr[i] += o[i];
                 rmsnorm(xr, ly->mlp_norm, H, m->eps, m->unit_offset, hr);
             }
-            linear_rows(&ly->up, M, hs, t, qs8, sas, cs, rep, &ly->down);
+            linear_rows(&ly->up, M, hs, t, qs8, sas, cs, rep, &ly->down, NULL);
             int I = m->inter, chunks = (I + 7) / 8;
 #pragma omp for schedule(static) collapse(2)
             for (int r = 0; r < M; r++)
                 for (int ch = 0; ch < chunks; ch++)
                     act_chunk(m, t + (size_t)r * up_n, a + (size_t)r * I, ch * 8, ch * 8 + 8 < I ? ch * 8 + 8 : I);
             linear_rows(&ly->down, M, a, t2, qs8, sas, cs, rep,
-                        li + 1 < m->n_layers ? &m->layers[li + 1].qkv : &m->lm_head);
+                        li + 1 < m->n_layers ? &m->layers[li + 1].qkv : &m->lm_head, NULL);
             for (int r = r0; r < r1; r++) {
                 const float *o = t2 + (size_t)r * H;
                 float *hr = hs + (size_t)r * H, *xr = xs + (size_t)r * H;
@@ -757,7 +793,7 @@ int kv_forward(const kv_model *m, int B, int L, const int64_t *ids, const int64_
         span(rep, B, &b0, &b1);
         for (int b = b0; b < b1; b++)
             rmsnorm(xs + ((size_t)b * L + logit_index[b]) * H, m->final_norm, H, m->eps, m->unit_offset, hs + (size_t)b * H);
-        linear_rows(&m->lm_head, B, hs, logits, qs8, sas, cs, rep, NULL);
+        linear_rows(&m->lm_head, B, hs, logits, qs8, sas, cs, rep, NULL, NULL);
         if (m->final_softcap > 0.f) {
 #pragma omp for schedule(static)
             for (size_t i = 0; i < (size_t)B * m->vocab; i++)
