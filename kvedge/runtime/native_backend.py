@@ -100,8 +100,11 @@ def compile_engine(flags: tuple[str, ...] = FLAGS, cache_dir: str | Path | None 
     dll.kv_pack.argtypes = [ctypes.POINTER(Linear), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
     dll.kv_linear_forward.argtypes = [ctypes.POINTER(Linear), ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
                                       ctypes.c_int]
+    dll.kv_scratch_bytes.argtypes = [ctypes.POINTER(Model), ctypes.c_int, ctypes.c_int, ctypes.c_int]
+    dll.kv_scratch_bytes.restype = ctypes.c_size_t
     dll.kv_forward.argtypes = [ctypes.POINTER(Model), ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
-                               ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+                               ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
+    dll.kv_forward.restype = None
     return dll
 
 
@@ -211,6 +214,7 @@ class NativeBackend(CacheList):
                        keep(model.norm.weight.detach().float().contiguous()), pack_linear(self.dll, head, keep),
                        keep(cos.contiguous()), keep(sin.contiguous()), layers)
         self.logits = torch.empty((max_batch, 1, cfg.vocab_size))
+        self.scratch = torch.empty(0, dtype=torch.uint8)  # the engine's work buffers, grown to the largest chunk
 
     def weights_bytes(self) -> int:
         """Bytes of everything the engine reads besides the caches (weights, scales, norms, RoPE tables)."""
@@ -227,7 +231,9 @@ class NativeBackend(CacheList):
         lo, hi = (int(v) for v in torch.aminmax(pos))  # the engine writes the cache at these: check them
         if lo < 0 or hi >= self.max_seq_len:
             raise KvedgeError(f"positions {lo}..{hi} are outside the cache [0, {self.max_seq_len})")
-        if self.dll.kv_forward(ctypes.byref(self.m), b, length, ids.data_ptr(), pos.data_ptr(), idx.data_ptr(),
-                               self.logits.data_ptr(), self.threads):
-            raise KvedgeError("the native engine ran out of memory for its scratch buffers")
+        need = self.dll.kv_scratch_bytes(ctypes.byref(self.m), b, length, self.threads)
+        if need > self.scratch.numel():
+            self.scratch = torch.empty(need, dtype=torch.uint8)
+        self.dll.kv_forward(ctypes.byref(self.m), b, length, ids.data_ptr(), pos.data_ptr(), idx.data_ptr(),
+                            self.logits.data_ptr(), self.threads, self.scratch.data_ptr())
         return self.logits[:b]

@@ -678,31 +678,48 @@ static void attend(const kv_model *m, const float *const *q, int nq, const int *
 
 static size_t max3(size_t a, size_t b, size_t c) { return a > b ? (a > c ? a : c) : (b > c ? b : c); }
 
+/* kv_forward's scratch for B rows of L tokens on `threads` threads: the buffers' byte offsets in one block
+ * (each 64-byte aligned; at[9] is the total). A few rows (decode, rep): every thread keeps its own copy of
+ * the residual stream, norms it and quantizes each projection's input itself, so only the projections,
+ * rotation, attention and activation are split: 6 barriers a layer. Many rows (prefill): every phase is
+ * split, 10 barriers a layer. Two output buffers: qkv and up write t, o and down write t2, so with rep a
+ * projection never writes a buffer another thread may still be reading for its residual. */
+enum { S_X, S_H, S_T, S_T2, S_A, S_XQ, S_SA, S_C, S_SCORES, S_END };
+static void scratch_layout(const kv_model *m, int B, int L, int threads, size_t at[S_END + 1]) {
+    size_t M = (size_t)B * L, H = m->hidden, kmax = max3(H, (size_t)m->hq * m->d, m->inter);
+    size_t copies = M <= 4 ? threads : 1, qkv_n = (size_t)(m->hq + 2 * m->hkv) * m->d;
+    size_t up_n = (size_t)m->inter * (m->glu ? 2 : 1), a_n = max3((size_t)m->hq * m->d, m->inter, 0);
+    size_t bytes[S_END] = {sizeof(float) * copies * M * H, sizeof(float) * copies * M * H,
+                           sizeof(float) * M * (qkv_n > up_n ? qkv_n : up_n), sizeof(float) * M * H,
+                           sizeof(float) * M * a_n, copies * M * kmax, sizeof(float) * copies * M * sub_stride(kmax),
+                           sizeof(float) * copies * M * sub_stride(kmax), sizeof(float) * threads * QB * m->max_seq};
+    at[0] = 0;
+    for (int i = 0; i < S_END; i++) at[i + 1] = (at[i] + bytes[i] + 63) & ~(size_t)63;
+}
+
+/* Bytes of scratch kv_forward needs (the caller keeps one block and reuses it: allocating per call cost
+ * prefill ~9% in the kernel's page zeroing). */
+size_t kv_scratch_bytes(const kv_model *m, int B, int L, int threads) {
+    size_t at[S_END + 1];
+    scratch_layout(m, B, L, threads, at);
+    return at[S_END] + 64;
+}
+
 /* Run B rows of L tokens (ids, pos [B][L]; positions contiguous per row) through the decoder, writing
  * each row's k, v into the caches, and the logits of position logit_index[b] of each row to
- * logits [B][vocab]. Returns 0, or -1 when out of memory. */
-int kv_forward(const kv_model *m, int B, int L, const int64_t *ids, const int64_t *pos, const int64_t *logit_index,
-               float *logits, int threads) {
+ * logits [B][vocab]. scratch: kv_scratch_bytes(m, B, L, threads) bytes. */
+void kv_forward(const kv_model *m, int B, int L, const int64_t *ids, const int64_t *pos, const int64_t *logit_index,
+                float *logits, int threads, void *scratch) {
     int M = B * L, H = m->hidden, hq = m->hq, hkv = m->hkv, d = m->d, g = hq / hkv;
     int qkv_n = (hq + 2 * hkv) * d, up_n = m->glu ? 2 * m->inter : m->inter;
-    size_t kmax = max3(H, (size_t)hq * d, m->inter);
-    /* A few rows (decode): every thread keeps its own copy of the residual stream, norms it and quantizes
-     * each projection's input itself, so only the projections, rotation, attention and activation are
-     * split: 6 barriers a layer. Many rows (prefill): every phase is split, 10 barriers a layer. */
-    int rep = M <= 4, copies = rep ? threads : 1;
-    float *x = malloc(sizeof(float) * copies * (size_t)M * H), *h = malloc(sizeof(float) * copies * (size_t)M * H);
-    /* two output buffers: qkv and up write t, o and down write t2, so with rep a projection never writes
-     * a buffer another thread may still be reading for its residual (the barriers between guarantee it) */
-    float *t = malloc(sizeof(float) * (size_t)M * (qkv_n > up_n ? qkv_n : up_n)), *t2 = malloc(sizeof(float) * (size_t)M * H);
-    float *a = malloc(sizeof(float) * (size_t)M * (hq * d > m->inter ? hq * d : m->inter));
-    int8_t *xq = malloc(copies * (size_t)M * kmax);
-    float *sa = malloc(sizeof(float) * copies * (size_t)M * sub_stride(kmax));
-    float *c = malloc(sizeof(float) * copies * (size_t)M * sub_stride(kmax));
-    float *scores = malloc(sizeof(float) * (size_t)threads * QB * m->max_seq);
-    if (!x || !h || !t || !t2 || !a || !xq || !sa || !c || !scores) {
-        free(x), free(h), free(t), free(t2), free(a), free(xq), free(sa), free(c), free(scores);
-        return -1;
-    }
+    size_t kmax = max3(H, (size_t)hq * d, m->inter), at[S_END + 1];
+    int rep = M <= 4;
+    char *base = (char *)(((uintptr_t)scratch + 63) & ~(uintptr_t)63);
+    scratch_layout(m, B, L, threads, at);
+    float *x = (float *)(base + at[S_X]), *h = (float *)(base + at[S_H]), *t = (float *)(base + at[S_T]);
+    float *t2 = (float *)(base + at[S_T2]), *a = (float *)(base + at[S_A]), *sa = (float *)(base + at[S_SA]);
+    float *c = (float *)(base + at[S_C]), *scores = (float *)(base + at[S_SCORES]);
+    int8_t *xq = (int8_t *)(base + at[S_XQ]);
 #pragma omp parallel num_threads(threads)
     {
         int tid = omp_get_thread_num(), me = rep ? tid : 0, r0, r1;
@@ -800,6 +817,4 @@ int kv_forward(const kv_model *m, int B, int L, const int64_t *ids, const int64_
                 logits[i] = tanhf(logits[i] / m->final_softcap) * m->final_softcap;
         }
     }
-    free(x), free(h), free(t), free(t2), free(a), free(xq), free(sa), free(c), free(scores);
-    return 0;
 }
