@@ -96,7 +96,7 @@ def compile_engine(flags: tuple[str, ...] = FLAGS, cache_dir: str | Path | None 
             raise KvedgeError(f"compiling {SOURCE.name} failed ({cc} {' '.join(flags)}):\n{r.stderr[-2000:]}")
         tmp.replace(lib)  # atomic: concurrent first uses each compile, one file wins
     dll = ctypes.CDLL(str(lib))
-    dll.kv_stride.argtypes = [ctypes.c_int, ctypes.c_int]
+    dll.kv_stride.argtypes = [ctypes.c_int]
     dll.kv_pack.argtypes = [ctypes.POINTER(Linear), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
     dll.kv_linear_forward.argtypes = [ctypes.POINTER(Linear), ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
                                       ctypes.c_int]
@@ -143,8 +143,8 @@ def pack_linear(dll: ctypes.CDLL, mod: nn.Module, keep: _Keep) -> Linear:
         raise KvedgeError(f"the native engine stores scales as float16 and this {n}x{k} linear has scales float16 "
                           f"cannot hold exactly; quantize it with kvedge.models.quant (which rounds them up to "
                           f"float16 values)")
-    stride = dll.kv_stride(k, bits)  # per-sub-block figures per row (+ 8 of padding after the last row)
-    s, z = torch.empty(n * stride + 8, dtype=torch.int16), torch.empty(0 if sym else n * stride + 8, dtype=torch.uint8)
+    stride = dll.kv_stride(k)  # per-sub-block figures per row, padded to whole chunks of 8
+    s, z = torch.empty(n * stride, dtype=torch.int16), torch.empty(0 if sym else n * stride, dtype=torch.uint8)
     lin = Linear(n, k, bits, int(sym), float(mid), keep(mod.qweight.contiguous()), keep(s), keep(z) if not sym else 0,
                  0, bias)
     if dll.kv_pack(ctypes.byref(lin), keep(half.view(torch.int16)), keep(zeros), group):

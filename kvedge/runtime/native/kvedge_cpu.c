@@ -10,14 +10,14 @@
  * The kernels work on sub-blocks of 32 input channels (groups of 32, 64 or 128 are whole sub-blocks):
  *   y[n] = sum_sb sw[n,sb] * (sa[sb] * dot(q[n,sb], xq[sb]) - z[n,sb] * sa[sb] * sum(xq[sb]))
  * where xq are the activations quantized to int8 per sub-block (scale sa = max|x| / 127, round half
- * to even), q the stored unsigned integers, sw the group scale and z the group zero point. This is
- * ONNX Runtime's accuracy_level 4 scheme (int8 activations); the dot products are integer.
- * For speed (4 bits), every 8 sub-blocks are reduced together: their scales are stored in the order the
- * reduction produces them (kv_slot), and the activations' per-sub-block figures are written in that
- * order too, so no shuffle happens per weight; 8 bits scale each sub-block's lanes by a broadcast
- * product instead. A call computes 4 weight rows against 1 or 2 activation rows (each weight byte
- * loaded once for both, one final reduction for the four rows), and weight rows are prefetched ahead:
- * decode reads every weight once per token, so it is a stream.
+ * to even), q the stored unsigned integers, sw the group scale (a float16: kvedge's quantizer makes every
+ * scale one) and z the group zero point. This is ONNX Runtime's accuracy_level 4 scheme (int8
+ * activations); the dot products are integer.
+ * For speed, every 8 sub-blocks are reduced together: their scales are stored in the order the reduction
+ * produces them (kv_slot), and the activations' per-sub-block figures are written in that order too, so
+ * no shuffle happens per weight. A call computes 4 weight rows against 1 or 2 activation rows (each
+ * weight byte loaded once for both, one final reduction for the four rows), and weight rows are
+ * prefetched ahead: decode reads every weight once per token, so it is a stream.
  */
 #include <math.h>
 #include <stdint.h>
@@ -50,8 +50,8 @@ typedef struct {
     int32_t n, k, bits, sym;  /* sym: every zero point is zsym (kvedge --symmetric) */
     float zsym;
     const uint8_t *q;         /* MatMulNBits bytes [n][k * bits / 8] */
-    uint16_t *s;              /* [n][kv_stride(k, bits)] float16 scales per sub-block, kernel order (kv_pack) */
-    uint8_t *z;               /* [n][kv_stride(k, bits)] zero points per sub-block, kernel order; NULL when sym */
+    uint16_t *s;              /* [n][kv_stride(k)] float16 scales per sub-block, kernel order (kv_pack) */
+    uint8_t *z;               /* [n][kv_stride(k)] zero points per sub-block, kernel order; NULL when sym */
     const float *w;           /* fp32 weight [n][k] instead of q/s/z (an unquantized linear) */
     const float *bias;        /* [n] or NULL */
 } kv_linear;
@@ -59,39 +59,37 @@ typedef struct {
 /* Per-sub-block figures (scales, zero points, activation scales) are stored per row with a stride of
  * whole chunks of 8 sub-blocks, zero-padded, so every chunk (the last partial one too) is reduced alike. */
 static inline int sub_stride(int k) { return (k / SB + 7) & ~7; }
-/* A weight row's scales and zero points: 4 bits, padded so (as above) for the chunk permutation; 8 bits,
- * one per sub-block, unpadded (a last partial chunk reads the next row's figures, or the 8 entries of
- * padding after the last row, into lanes whose activation figures are 0). */
-static inline int w_stride(int k, int bits) { return bits == 4 ? sub_stride(k) : k / SB; }
-int kv_stride(int k, int bits) { return w_stride(k, bits); } /* for the Python side: a call inside the
-                                                               * library would go through the PLT (-fPIC) */
+int kv_stride(int k) { return sub_stride(k); } /* for the Python side: a call inside the library would go
+                                                 * through the PLT on every use (-fPIC) */
 
-/* Where sub-block sb sits among its row's figures: 4 bits, permuted within each chunk as its reduction
- * leaves the sums (0,2,4,6,1,3,5,7); 8 bits, in order. */
-static inline int kv_slot(int bits, int sb) {
+/* Where sub-block sb sits among its row's figures: permuted within each chunk as its reduction leaves the
+ * sums (0,2,4,6,1,3,5,7). */
+static inline int kv_slot(int sb) {
     static const int inv[8] = {0, 4, 1, 5, 2, 6, 3, 7};
-    return bits == 4 ? (sb & ~7) + inv[sb & 7] : sb;
+    return (sb & ~7) + inv[sb & 7];
 }
 
-/* Fill l->s and l->z (allocated by the caller, n * kv_stride(k, bits) + 8 each) from per-group float16
+/* Fill l->s and l->z (allocated by the caller, n * kv_stride(k) each) from per-group float16
  * scales [n][k / group] and, unless symmetric, unpacked zero points [n][k / group]. */
 int kv_pack(kv_linear *l, const uint16_t *scales, const uint8_t *zeros, int group) {
     if (l->k % SB || group % SB || l->k % group) return -1;
-    int nsb = l->k / SB, ng = l->k / group, per = group / SB, st = w_stride(l->k, l->bits);
-    memset(l->s, 0, sizeof(uint16_t) * ((size_t)l->n * st + 8));
-    if (!l->sym) memset(l->z, 0, (size_t)l->n * st + 8);
+    int nsb = l->k / SB, ng = l->k / group, per = group / SB, st = sub_stride(l->k);
+    memset(l->s, 0, sizeof(uint16_t) * (size_t)l->n * st);
+    if (!l->sym) memset(l->z, 0, (size_t)l->n * st);
     for (int n = 0; n < l->n; n++)
         for (int sb = 0; sb < nsb; sb++) {
-            size_t at = (size_t)n * st + kv_slot(l->bits, sb);
+            size_t at = (size_t)n * st + kv_slot(sb);
             l->s[at] = scales[(size_t)n * ng + sb / per];
             if (!l->sym) l->z[at] = zeros[(size_t)n * ng + sb / per];
         }
     return 0;
 }
 
-/* One row of activations quantized for the kernels: xq [k] in kernel byte order (4 bits: each pair of
- * sub-blocks as [sb0 even channels, sb1 even, sb0 odd, sb1 odd], a lone last sub-block as [even, odd];
- * 8 bits: in order); sa and c = sa * sum(xq) [kv_stride(k)] per sub-block at kv_slot, zero-padded. */
+/* One row of activations quantized for the kernels: xq [k] in kernel byte order, each pair of sub-blocks
+ * as [sb0 A, sb1 A, sb0 B, sb1 B] and a lone last sub-block as [A, B], where A and B are the 16 channels
+ * the weight vectors pair them with (chunk_sums): 4 bits, the even and the odd channels (low and high
+ * nibbles); 8 bits, the first and the last 16, swapped for the second of a pair. sa and c = sa *
+ * sum(xq) [kv_stride(k)] per sub-block at kv_slot, zero-padded. */
 static void quantize_row(const float *x, int k, int bits, int8_t *xq, float *sa, float *c) {
     int nsb = k / SB;
     memset(sa, 0, sizeof(float) * sub_stride(k));
@@ -132,19 +130,15 @@ static void quantize_row(const float *x, int k, int bits, int8_t *xq, float *sa,
             sum += qv[i];
         }
 #endif
-        int slot = kv_slot(bits, sb);
+        int slot = kv_slot(sb);
         sa[slot] = d;
         c[slot] = d * (float)sum;
-        if (bits == 8) {
-            memcpy(xq + sb * SB, qv, SB);
-            continue;
-        }
         int pair = sb & ~1, lone = (pair + 1 == nsb);
         int8_t *base = xq + pair * SB;
-        int half = lone ? 16 : 32, off = lone ? 0 : (sb & 1) * 16;
+        int half = lone ? 16 : 32, off = lone ? 0 : (sb & 1) * 16, swap = off ? 16 : 0;
         for (int i = 0; i < 16; i++) {
-            base[off + i] = qv[2 * i];
-            base[half + off + i] = qv[2 * i + 1];
+            base[off + i] = bits == 4 ? qv[2 * i] : qv[swap + i];
+            base[half + off + i] = bits == 4 ? qv[2 * i + 1] : qv[(16 ^ swap) + i];
         }
     }
 }
@@ -174,28 +168,45 @@ static inline float hsum_f32(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-/* The integer sums of the `have` (1..8) 4-bit sub-blocks of a chunk, in kv_slot order, for rm activation
- * rows (a[j] + off): each weight byte is loaded and unpacked once for all of them. */
-static inline __attribute__((always_inline)) void chunk_sums4(const int rm, const uint8_t *q, const int8_t *const *a,
-                                                              size_t off, const int have, __m256i *r) {
+/* The integer sums of the `have` (1..8) sub-blocks of a chunk (4 or 8 bits), in kv_slot order, for rm
+ * activation rows (a[j] + off): each weight byte is loaded (and unpacked) once for all of them. A pair of
+ * sub-blocks makes two weight vectors, A and B, whose lanes 0-3 hold the first sub-block's and 4-7 the
+ * second's: 4 bits, the low and the high nibbles of 32 bytes; 8 bits, the first and the second 16 bytes
+ * of each. So one vector of sums covers two sub-blocks and 3 horizontal adds reduce eight, for either
+ * width; (8 bits converting and scaling every sub-block's own 8 lanes instead was 1.3x slower). */
+static inline __attribute__((always_inline)) void chunk_sums(const int bits, const int rm, const uint8_t *q,
+                                                             const int8_t *const *a, size_t off, const int have,
+                                                             __m256i *r) {
     const __m256i zero = _mm256_setzero_si256();
     const __m256i m = _mm256_set1_epi8(0x0F);
     __m256i p[2][4];
 #pragma GCC unroll 4
     for (int i = 0; i < 4; i++) {
         int left = have - 2 * i;
+        const uint8_t *qp = q + (bits == 4 ? 32 : 64) * i; /* this pair's weight bytes */
         if (left >= 2) { /* a pair: lanes 0-3 the first sub-block's partial sums, lanes 4-7 the second's */
-            __m256i b = _mm256_loadu_si256((const __m256i *)(q + 32 * i));
-            __m256i lo = _mm256_and_si256(b, m), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), m);
+            __m256i wa, wb;
+            if (bits == 4) {
+                __m256i b = _mm256_loadu_si256((const __m256i *)qp);
+                wa = _mm256_and_si256(b, m), wb = _mm256_and_si256(_mm256_srli_epi16(b, 4), m);
+            } else { /* A = [sb0 first 16 | sb1 last 16] (a blend), B = [sb0 last 16 | sb1 first 16] (a swap) */
+                __m256i b0 = _mm256_loadu_si256((const __m256i *)qp), b1 = _mm256_loadu_si256((const __m256i *)(qp + 32));
+                wa = _mm256_blend_epi32(b0, b1, 0xF0), wb = _mm256_permute2x128_si256(b0, b1, 0x21);
+            }
             for (int j = 0; j < rm; j++) {
                 const int8_t *aa = a[j] + off + 64 * i;
-                __m256i acc = dot_u8s8(zero, lo, _mm256_loadu_si256((const __m256i *)aa));
-                p[j][i] = dot_u8s8(acc, hi, _mm256_loadu_si256((const __m256i *)(aa + 32)));
+                __m256i acc = dot_u8s8(zero, wa, _mm256_loadu_si256((const __m256i *)aa));
+                p[j][i] = dot_u8s8(acc, wb, _mm256_loadu_si256((const __m256i *)(aa + 32)));
             }
-        } else if (left == 1) { /* a lone last sub-block (activations [even, odd]): lanes 0-3, 4-7 zero */
+        } else if (left == 1) { /* a lone last sub-block (activations [A, B]): lanes 0-3, 4-7 zero */
             const __m128i m16 = _mm_set1_epi8(0x0F);
-            __m128i b = _mm_loadu_si128((const __m128i *)(q + 32 * i));
-            __m256i w = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), m16), _mm_and_si128(b, m16));
+            __m256i w;
+            if (bits == 4) {
+                __m128i b = _mm_loadu_si128((const __m128i *)qp);
+                w = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), m16), _mm_and_si128(b, m16));
+            } else {
+                w = _mm256_loadu_si256((const __m256i *)qp);
+            }
             for (int j = 0; j < rm; j++) {
                 __m256i v = dot_u8s8(zero, w, _mm256_loadu_si256((const __m256i *)(a[j] + off + 64 * i)));
                 p[j][i] = _mm256_zextsi128_si256(_mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1)));
@@ -208,13 +219,14 @@ static inline __attribute__((always_inline)) void chunk_sums4(const int rm, cons
         r[j] = _mm256_hadd_epi32(_mm256_hadd_epi32(p[j][0], p[j][1]), _mm256_hadd_epi32(p[j][2], p[j][3]));
 }
 
-/* out[j * ROWS + i] = row n0 + i of a 4-bit linear . activation row j, for i < ROWS (rows past the end
- * repeat the last) and j < rm (1 or 2: a second activation row reuses every weight load) */
-static inline __attribute__((always_inline)) void qdot_rows4(const kv_linear *l, const int rm, int n0,
-                                                             const int8_t *const *xq, const float *const *sa,
-                                                             const float *const *c, float *out) {
-    int nsb = l->k / SB, st = w_stride(l->k, 4);
-    size_t rb = (size_t)l->k / 2, sbb = SB / 2;
+/* out[j * ROWS + i] = row n0 + i of a 4- or 8-bit linear . activation row j, for i < ROWS (rows past the
+ * end repeat the last) and j < rm (1 or 2: a second activation row reuses every weight load) */
+static inline __attribute__((always_inline)) void qdot_rows_w(const int bits, const kv_linear *l, const int rm,
+                                                              int n0, const int8_t *const *xq,
+                                                              const float *const *sa, const float *const *c,
+                                                              float *out) {
+    int nsb = l->k / SB, st = sub_stride(l->k);
+    size_t rb = (size_t)l->k * bits / 8, sbb = SB * bits / 8;
     const uint8_t *q[ROWS];
     const uint16_t *sw[ROWS];
     const uint8_t *zr[ROWS];
@@ -235,9 +247,9 @@ static inline __attribute__((always_inline)) void qdot_rows4(const kv_linear *l,
         for (int i = 0; i < ROWS; i++) {
             __m256i r[2];
             if (sb + 8 <= nsb)
-                chunk_sums4(rm, q[i] + sb * sbb, xq, (size_t)sb * SB, 8, r);
+                chunk_sums(bits, rm, q[i] + sb * sbb, xq, (size_t)sb * SB, 8, r);
             else
-                chunk_sums4(rm, q[i] + sb * sbb, xq, (size_t)sb * SB, nsb - sb, r);
+                chunk_sums(bits, rm, q[i] + sb * sbb, xq, (size_t)sb * SB, nsb - sb, r);
             __m256 z = zr[i] ? _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(zr[i] + sb))))
                              : zs;
             __m256 w = load_half8(sw[i] + sb);
@@ -253,71 +265,16 @@ static inline __attribute__((always_inline)) void qdot_rows4(const kv_linear *l,
     }
 }
 
-/* 8 bits, as qdot_rows4, without horizontal sums per sub-block: each sub-block's 8 lanes of integer
- * partial sums are converted and scaled by sw * sa broadcast from memory (load ports, not shuffles), and
- * the zero-point term sum(sw * z * c) is a plain vector dot over the sub-blocks. */
-static inline __attribute__((always_inline)) void qdot_rows8(const kv_linear *l, const int rm, int n0,
-                                                             const int8_t *const *xq, const float *const *sa,
-                                                             const float *const *c, float *out) {
-    int nsb = l->k / SB, st = w_stride(l->k, 8);
-    const uint8_t *q[ROWS];
-    const uint16_t *sw[ROWS];
-    const uint8_t *zr[ROWS];
-    __m256 acc[ROWS][2], accz[ROWS][2];
-    const __m256i zero = _mm256_setzero_si256();
-#pragma GCC unroll 4
-    for (int i = 0; i < ROWS; i++) {
-        size_t row = (size_t)(n0 + i < l->n ? n0 + i : l->n - 1);
-        q[i] = l->q + row * l->k;
-        sw[i] = l->s + row * st;
-        zr[i] = l->sym ? NULL : l->z + row * st;
-        acc[i][0] = acc[i][1] = accz[i][0] = accz[i][1] = _mm256_setzero_ps();
-    }
-    for (int sb = 0; sb < nsb; sb += 8) {
-        int have = nsb - sb < 8 ? nsb - sb : 8;
-        float prod[ROWS][2][8];
-#pragma GCC unroll 4
-        for (int i = 0; i < ROWS; i++) {
-            __m256 w = load_half8(sw[i] + sb);
-            __m256 wz = zr[i] ? _mm256_mul_ps(w, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
-                                                     _mm_loadl_epi64((const __m128i *)(zr[i] + sb)))))
-                              : w;
-            for (int j = 0; j < rm; j++) {
-                _mm256_storeu_ps(prod[i][j], _mm256_mul_ps(w, _mm256_loadu_ps(sa[j] + sb)));
-                accz[i][j] = _mm256_fmadd_ps(wz, _mm256_loadu_ps(c[j] + sb), accz[i][j]);
-            }
-        }
-        for (int t = 0; t < have; t++) {
-            size_t off = (size_t)(sb + t) * SB;
-#pragma GCC unroll 4
-            for (int i = 0; i < ROWS; i++) {
-                __m256i w = _mm256_loadu_si256((const __m256i *)(q[i] + off));
-                for (int j = 0; j < rm; j++) {
-                    __m256i v = dot_u8s8(zero, w, _mm256_loadu_si256((const __m256i *)(xq[j] + off)));
-                    acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), _mm256_broadcast_ss(&prod[i][j][t]), acc[i][j]);
-                }
-            }
-        }
-    }
-    const __m256 zs = _mm256_set1_ps(l->zsym);
-    for (int j = 0; j < rm; j++) {
-        __m256 f[ROWS];
-        for (int i = 0; i < ROWS; i++) f[i] = _mm256_fnmadd_ps(zr[i] ? _mm256_set1_ps(1.f) : zs, accz[i][j], acc[i][j]);
-        __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(f[0], f[1]), _mm256_hadd_ps(f[2], f[3]));
-        _mm_storeu_ps(out + j * ROWS, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
-    }
-}
-
 static void qdot_rows(const kv_linear *l, int rm, int n0, const int8_t *const *xq, const float *const *sa,
                       const float *const *c, float *out) {
     if (l->bits == 4 && rm == 2)
-        qdot_rows4(l, 2, n0, xq, sa, c, out);
+        qdot_rows_w(4, l, 2, n0, xq, sa, c, out);
     else if (l->bits == 4)
-        qdot_rows4(l, 1, n0, xq, sa, c, out);
+        qdot_rows_w(4, l, 1, n0, xq, sa, c, out);
     else if (rm == 2)
-        qdot_rows8(l, 2, n0, xq, sa, c, out);
+        qdot_rows_w(8, l, 2, n0, xq, sa, c, out);
     else
-        qdot_rows8(l, 1, n0, xq, sa, c, out);
+        qdot_rows_w(8, l, 1, n0, xq, sa, c, out);
 }
 #else /* portable C: the same arithmetic, one channel at a time */
 /* IEEE half -> float (exact): normal, subnormal (renormalized), zero, inf / NaN */
@@ -341,7 +298,7 @@ static float half_to_float(uint16_t h) {
 
 static void qdot_rows(const kv_linear *l, int rm, int n0, const int8_t *const *xqs, const float *const *sas,
                       const float *const *cs, float *out) {
-    int nsb = l->k / SB, st = w_stride(l->k, l->bits);
+    int nsb = l->k / SB, st = sub_stride(l->k);
     size_t rb = (size_t)l->k * l->bits / 8;
     for (int j = 0; j < rm; j++)
         for (int i = 0; i < ROWS; i++) {
@@ -352,17 +309,15 @@ static void qdot_rows(const kv_linear *l, int rm, int n0, const int8_t *const *x
             const uint8_t *q = l->q + (size_t)n * rb;
             float y = 0.f;
             for (int sb = 0; sb < nsb; sb++) {
-                int d = 0;
-                if (l->bits == 8) {
-                    for (int t = 0; t < SB; t++) d += q[sb * SB + t] * xq[sb * SB + t];
-                } else {
-                    int pair = sb & ~1, lone = (pair + 1 == nsb);
-                    const int8_t *base = xq + pair * SB;
-                    int half = lone ? 16 : 32, off = lone ? 0 : (sb & 1) * 16;
-                    const uint8_t *qq = q + sb * 16;
-                    for (int t = 0; t < 16; t++) d += (qq[t] & 15) * base[off + t] + (qq[t] >> 4) * base[half + off + t];
+                int d = 0, pair = sb & ~1, lone = (pair + 1 == nsb);
+                const int8_t *base = xq + pair * SB; /* quantize_row's layout: the A and B halves */
+                int half = lone ? 16 : 32, off = lone ? 0 : (sb & 1) * 16, swap = off ? 16 : 0;
+                for (int t = 0; t < 16; t++) {
+                    const uint8_t *qq = q + (size_t)sb * SB * l->bits / 8;
+                    int a = l->bits == 4 ? qq[t] & 15 : qq[swap + t], b = l->bits == 4 ? qq[t] >> 4 : qq[(16 ^ swap) + t];
+                    d += a * base[off + t] + b * base[half + off + t];
                 }
-                int slot = kv_slot(l->bits, sb);
+                int slot = kv_slot(sb);
                 float z = l->sym ? l->zsym : l->z[(size_t)n * st + slot];
                 y += half_to_float(sw[slot]) * (sa[slot] * (float)d - z * c[slot]);
             }
@@ -391,7 +346,7 @@ static inline void span(int rep, int n, int *r0, int *r1) {
 /* prefetch weight rows [n0, n1) of a quantized linear (bytes and scales) */
 static inline void fetch_rows(const kv_linear *l, int n0, int n1) {
     if (l->w || n1 <= n0) return;
-    size_t rb = (size_t)l->k * l->bits / 8, st = w_stride(l->k, l->bits);
+    size_t rb = (size_t)l->k * l->bits / 8, st = sub_stride(l->k);
     const char *q = (const char *)(l->q + (size_t)n0 * rb), *s = (const char *)(l->s + (size_t)n0 * st);
     for (size_t o = 0; o < (size_t)(n1 - n0) * rb; o += 64) PREFETCH_L2(q + o);
     for (size_t o = 0; o < sizeof(uint16_t) * (n1 - n0) * st; o += 64) PREFETCH_L2(s + o);
