@@ -71,8 +71,11 @@ def ceilings(ckpt: Path, prompt_len: int, bits: int | None = None, group: int = 
 
     model = load_decoder(ckpt)
     cfg = model.cfg
-    linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    shapes = [tuple(m.weight.shape) for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    linear = sum(n * k for n, k in shapes)
     head = cfg.vocab_size * cfg.hidden_size if cfg.tie_embeddings else 0
+    if head:
+        shapes.append((cfg.vocab_size, cfg.hidden_size))
     per = 4 if bits is None else bits / 8 + 4 / group  # bytes read per weight
     weight_bytes = (linear + head) * per
     big = torch.randn(int(weight_bytes // 4))  # read bandwidth over a buffer of that size (cache vs DRAM)
@@ -86,8 +89,8 @@ def ceilings(ckpt: Path, prompt_len: int, bits: int | None = None, group: int = 
 
     read_bps = max(rate(big.sum, big.numel() * 4) for _ in range(3))  # best of three: a ceiling
     figures = {"read GB/s": read_bps / 1e9, "weight MB read per token": weight_bytes * 1e-6}
-    if bits is not None:
-        figures["native MB read per token"] = (linear + head) * (bits / 8 + 2 / group) * 1e-6  # int8 / int4 prefill runs on integer dot products: no fp32 GEMM ceiling
+    if bits is not None:  # a float16 scale per 32 inputs, a row's padded to whole chunks of 8 (kv_stride)
+        figures["native MB read per token"] = sum(n * (k * bits / 8 + 2 * 8 * -(-k // 256)) for n, k in shapes) * 1e-6  # int8 / int4 prefill runs on integer dot products: no fp32 GEMM ceiling
         return read_bps / weight_bytes, None, figures
     h, i = cfg.hidden_size, cfg.intermediate_size
     x = torch.randn(prompt_len, h)

@@ -239,3 +239,29 @@ def test_long_ragged_decode_equals_torch(case, threads, batch, hf_checkpoint):
         assert (got - want).abs().max() <= 1e-5 * want.abs().max(), case
     for mine, ref in zip(native.caches[0::2] + native.caches[1::2], cache.keys + cache.values):
         torch.testing.assert_close(mine, ref, rtol=0, atol=1e-5 * float(ref.abs().max()))
+
+
+@pytest.mark.parametrize("case", ["awq", "gptq", "gptq-8bit"])
+def test_prequantized_checkpoints_run_as_they_are(case, tmp_path, monkeypatch):
+    """An AWQ / GPTQ checkpoint (its float16 scales, packed integers and zero points, written by the
+    packers in tests/models/test_prequant.py) runs on the engine without re-quantizing: its logits and
+    caches equal the PyTorch Decoder's over the same integers with the same activation rounding."""
+    from tests.models.test_prequant import write_quantized
+
+    write_quantized(tmp_path, case)
+    native = NativeBackend(tmp_path, max_batch=2, max_seq_len=MAX_SEQ, threads=2)
+    model = native.model
+    assert model.prequantized and all(isinstance(getattr(blk, "qkv"), QuantLinear) for blk in model.layers)
+    cache = KVCache.allocate(model.cfg, 2, MAX_SEQ, dtype=torch.float32)
+    forward = QuantLinear.forward
+    monkeypatch.setattr(QuantLinear, "forward", lambda self, x: forward(self, fake_quant(x)))
+    g = torch.Generator().manual_seed(2)
+    steps = [(torch.randint(3, 160, (2, 7), generator=g), torch.arange(7).expand(2, -1).contiguous(),
+              torch.tensor([6, 3]))]
+    for i in range(3):
+        steps.append((torch.randint(3, 160, (2, 1), generator=g), torch.tensor([[7 + i], [4 + i]]),
+                      torch.zeros(2, dtype=torch.long)))
+    for ids, pos, idx in steps:
+        got, want = _run(model, native, ids, pos, idx), _run(model, cache, ids, pos, idx)
+        assert (got - want).abs().max() <= 2e-2 * want.abs().max(), case
+        assert torch.nn.functional.cosine_similarity(got.flatten(1), want.flatten(1)).min() > 1 - 1e-3
