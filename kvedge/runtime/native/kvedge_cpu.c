@@ -454,7 +454,10 @@ typedef struct {
     const float *attn_norm, *mlp_norm, *q_norm, *k_norm, *post_attn_norm, *post_mlp_norm; /* NULL: absent */
     kv_linear qkv, o, up, down;
     int32_t window;           /* sliding window, 0: none */
-    float *k_cache, *v_cache; /* [max_batch][hkv][max_seq][d], written in place */
+    void *k_cache, *v_cache;  /* [max_batch][hkv][max_seq][d] float32, or int8 with scales; written in place */
+    /* an int8 cache's scales per KV head and channel [hkv][d], and their reciprocals (the write multiplies by
+     * them, as kvedge.models.attention does); NULL for a float32 cache */
+    const float *k_scale, *v_scale, *k_inv, *v_inv;
 } kv_layer;
 
 typedef struct {
@@ -550,6 +553,38 @@ static void act_chunk(const kv_model *m, const float *u, float *a, int i0, int i
 
 #define QB 4 /* queries of one row and head attended together: each K and V row is loaded once for them */
 
+/* Write d values of a new k or v row into an int8 cache: round-half-even(x * (1 / scale)) clamped to
+ * [-128, 127] (kvedge.models.attention.quantize_kv) */
+static void store_int8(int8_t *to, const float *x, const float *inv, int d) {
+    for (int t = 0; t < d; t++) {
+        float v = nearbyintf(x[t] * inv[t]);
+        to[t] = (int8_t)(v < -128.f ? -128.f : v > 127.f ? 127.f : v);
+    }
+}
+
+/* An int8 cache's rows [lo, hi] of one (batch row, KV head), dequantized (int8 * scale, as the reference
+ * attends them) into a thread's float rows indexed like the cache; kept across the attention items this
+ * thread takes and only extended, as items of one KV head come in rising positions. */
+typedef struct {
+    int b, kh, lo, hi; /* b < 0: nothing held */
+    float *k, *v;      /* [max_seq][d] */
+} kv_deq;
+
+static void deq_rows(const kv_model *m, const kv_layer *ly, int b, int kh, int j0, int j1, kv_deq *q) {
+    size_t d = m->d, base = ((size_t)b * m->hkv + kh) * m->max_seq * d;
+    const int8_t *k8 = (const int8_t *)ly->k_cache + base, *v8 = (const int8_t *)ly->v_cache + base;
+    const float *ks = ly->k_scale + kh * d, *vs = ly->v_scale + kh * d;
+    for (size_t j = j0; (int)j <= j1; j++)
+#pragma omp simd
+        for (size_t t = 0; t < d; t++) q->k[j * d + t] = (float)k8[j * d + t] * ks[t], q->v[j * d + t] = (float)v8[j * d + t] * vs[t];
+}
+
+static void deq_need(const kv_model *m, const kv_layer *ly, int b, int kh, int lo, int hi, kv_deq *q) {
+    if (q->b != b || q->kh != kh) q->b = b, q->kh = kh, q->lo = lo, q->hi = lo - 1;
+    if (lo < q->lo) deq_rows(m, ly, b, kh, lo, q->lo - 1, q), q->lo = lo;
+    if (hi > q->hi) deq_rows(m, ly, b, kh, q->hi + 1, hi, q), q->hi = hi;
+}
+
 /* The first cache slot a query at position p sees (window 0: none) */
 static inline int first_slot(int p, int window) { return window > 0 && p - window + 1 > 0 ? p - window + 1 : 0; }
 
@@ -639,7 +674,7 @@ static size_t max3(size_t a, size_t b, size_t c) { return a > b ? (a > c ? a : c
  * rotation, attention and activation are split: 6 barriers a layer. Many rows (prefill): every phase is
  * split, 10 barriers a layer. Two output buffers: qkv and up write t, o and down write t2, so with rep a
  * projection never writes a buffer another thread may still be reading for its residual. */
-enum { S_X, S_H, S_T, S_T2, S_A, S_XQ, S_SA, S_C, S_SCORES, S_END };
+enum { S_X, S_H, S_T, S_T2, S_A, S_XQ, S_SA, S_C, S_SCORES, S_DEQ, S_END };
 static void scratch_layout(const kv_model *m, int B, int L, int threads, size_t at[S_END + 1]) {
     size_t M = (size_t)B * L, H = m->hidden, kmax = max3(H, (size_t)m->hq * m->d, m->inter);
     size_t copies = M <= 4 ? threads : 1, qkv_n = (size_t)(m->hq + 2 * m->hkv) * m->d;
@@ -647,7 +682,9 @@ static void scratch_layout(const kv_model *m, int B, int L, int threads, size_t 
     size_t bytes[S_END] = {sizeof(float) * copies * M * H, sizeof(float) * copies * M * H,
                            sizeof(float) * M * (qkv_n > up_n ? qkv_n : up_n), sizeof(float) * M * H,
                            sizeof(float) * M * a_n, copies * M * kmax, sizeof(float) * copies * M * sub_stride(kmax),
-                           sizeof(float) * copies * M * sub_stride(kmax), sizeof(float) * threads * QB * m->max_seq};
+                           sizeof(float) * copies * M * sub_stride(kmax), sizeof(float) * threads * QB * m->max_seq,
+                           /* an int8 cache's dequantized K and V rows, per thread */
+                           m->layers[0].k_scale ? sizeof(float) * threads * 2 * m->max_seq * m->d : 0};
     at[0] = 0;
     for (int i = 0; i < S_END; i++) at[i + 1] = (at[i] + bytes[i] + 63) & ~(size_t)63;
 }
@@ -673,12 +710,13 @@ void kv_forward(const kv_model *m, int B, int L, const int64_t *ids, const int64
     scratch_layout(m, B, L, threads, at);
     float *x = (float *)(base + at[S_X]), *h = (float *)(base + at[S_H]), *t = (float *)(base + at[S_T]);
     float *t2 = (float *)(base + at[S_T2]), *a = (float *)(base + at[S_A]), *sa = (float *)(base + at[S_SA]);
-    float *c = (float *)(base + at[S_C]), *scores = (float *)(base + at[S_SCORES]);
+    float *c = (float *)(base + at[S_C]), *scores = (float *)(base + at[S_SCORES]), *deq = (float *)(base + at[S_DEQ]);
     int8_t *xq = (int8_t *)(base + at[S_XQ]);
 #pragma omp parallel num_threads(threads)
     {
         int tid = omp_get_thread_num(), me = rep ? tid : 0, r0, r1;
         float *sc = scores + (size_t)tid * QB * m->max_seq;
+        kv_deq dq = {-1, 0, 0, 0, deq + (size_t)tid * 2 * m->max_seq * d, deq + ((size_t)tid * 2 + 1) * m->max_seq * d};
         float *xs = x + (size_t)me * M * H, *hs = h + (size_t)me * M * H; /* this thread's (or the shared) */
         int8_t *qs8 = xq + (size_t)me * M * kmax;
         float *sas = sa + (size_t)me * M * sub_stride(kmax), *cs = c + (size_t)me * M * sub_stride(kmax);
@@ -693,12 +731,15 @@ void kv_forward(const kv_model *m, int B, int L, const int64_t *ids, const int64
              * (L = 1), the query heads of one KV head in groups of QB, so each K/V row is read once for them */
             int per = L > 1 ? (L + QB - 1) / QB : (g + QB - 1) / QB, heads = L > 1 ? hq : hkv;
             kv_fetch more = {0}; /* decode: the cache rows this thread's items will read (item i: thread i % nt) */
+            size_t esize = ly->k_scale ? 1 : sizeof(float); /* a cache element's bytes */
             for (int it = tid, nt = omp_get_num_threads(); L == 1 && it < B * heads * per; it += nt) {
                 int b = it / (heads * per), kh = it / per % heads, p = (int)pos[b], lo = first_slot(p, ly->window);
-                size_t at = (((size_t)b * hkv + kh) * m->max_seq + lo) * d, bytes = sizeof(float) * (size_t)(p - lo) * d;
-                if (more.count && more.p[more.count - 2] == (const char *)(ly->k_cache + at)) continue; /* blocks */
-                fetch_add(&more, ly->k_cache + at, bytes), fetch_add(&more, ly->v_cache + at, bytes);
+                size_t at = esize * (((size_t)b * hkv + kh) * m->max_seq + lo) * d, bytes = esize * (size_t)(p - lo) * d;
+                const char *kp = (const char *)ly->k_cache + at, *vp = (const char *)ly->v_cache + at;
+                if (more.count && more.p[more.count - 2] == kp) continue; /* a KV head's next block of queries */
+                fetch_add(&more, kp, bytes), fetch_add(&more, vp, bytes);
             }
+            dq.b = -1; /* a new layer's cache */
             linear_rows(&ly->qkv, M, hs, t, qs8, sas, cs, rep, &ly->o, L == 1 ? &more : NULL);
             /* q/k norm, rotation, cache write: one (row, head) at a time */
 #pragma omp for schedule(static) collapse(2)
@@ -713,8 +754,13 @@ void kv_forward(const kv_model *m, int B, int L, const int64_t *ids, const int64
                     if (hh >= hq) {
                         int kh = hh - hq;
                         size_t slot = (((size_t)b * hkv + kh) * m->max_seq + p) * d;
-                        memcpy(ly->k_cache + slot, v, sizeof(float) * d);
-                        memcpy(ly->v_cache + slot, v + (size_t)hkv * d, sizeof(float) * d);
+                        if (ly->k_scale) {
+                            store_int8((int8_t *)ly->k_cache + slot, v, ly->k_inv + (size_t)kh * d, d);
+                            store_int8((int8_t *)ly->v_cache + slot, v + (size_t)hkv * d, ly->v_inv + (size_t)kh * d, d);
+                        } else {
+                            memcpy((float *)ly->k_cache + slot, v, sizeof(float) * d);
+                            memcpy((float *)ly->v_cache + slot, v + (size_t)hkv * d, sizeof(float) * d);
+                        }
                     }
                 }
 #pragma omp for schedule(static, 1) collapse(3)
@@ -733,7 +779,12 @@ void kv_forward(const kv_model *m, int B, int L, const int64_t *ids, const int64
                             ps[i] = (int)pos[r];
                         }
                         size_t base = ((size_t)b * hkv + kh) * m->max_seq * d;
-                        attend(m, qp, nq, ps, ly->window, ly->k_cache + base, ly->v_cache + base, sc, outs);
+                        const float *kc = (const float *)ly->k_cache + base, *vc = (const float *)ly->v_cache + base;
+                        if (ly->k_scale) { /* int8: the rows these queries see, dequantized */
+                            deq_need(m, ly, b, kh, first_slot(ps[0], ly->window), ps[nq - 1], &dq);
+                            kc = dq.k, vc = dq.v;
+                        }
+                        attend(m, qp, nq, ps, ly->window, kc, vc, sc, outs);
                     }
             linear_rows(&ly->o, M, a, t2, qs8, sas, cs, rep, &ly->up, NULL);
             for (int r = r0; r < r1; r++) { /* x += o (post-normed into h first: t2 stays read-only here) */
