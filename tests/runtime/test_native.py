@@ -217,6 +217,22 @@ def test_odd_thread_counts_and_wide_batches_split_the_work_correctly(hf_checkpoi
     assert a.tokens == b.tokens
 
 
+def _ragged_prefill_then_decode(model, native, cache, g, length, lasts, steps):
+    """A prefill of `length` tokens in each of the cache's rows, row b's logits taken at lasts[b] (its
+    decode continues from there), then `steps` decode steps: float32 logits of the engine and of the
+    PyTorch model over `cache` agree to 1e-5 of the largest at every step."""
+    batch = native.caches[0].shape[0]
+    last = torch.tensor(lasts)[:batch]
+    ids = torch.randint(3, model.cfg.vocab_size, (batch, length), generator=g)
+    chunks = [(ids, torch.arange(length).expand(batch, -1).contiguous(), last)]
+    for i in range(steps):
+        chunks.append((torch.randint(3, model.cfg.vocab_size, (batch, 1), generator=g), (last + 1 + i)[:, None],
+                       torch.zeros(batch, dtype=torch.long)))
+    for ids_, pos_, idx in chunks:
+        got, want = _run(model, native, ids_, pos_, idx), _run(model, cache, ids_, pos_, idx)
+        assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+
+
 @pytest.mark.parametrize("case,threads,batch", [("llama-gqa4-llama3rope", 2, 1), ("llama-mqa-linearrope", 3, 2),
                                                 ("gemma", 2, 1), ("gemma2", 3, 2), ("llama-mha", 2, 2)])
 def test_long_ragged_decode_equals_torch(case, threads, batch, hf_checkpoint):
@@ -227,16 +243,7 @@ def test_long_ragged_decode_equals_torch(case, threads, batch, hf_checkpoint):
     model = load_decoder(path, dtype="float32")
     native = NativeBackend(path, max_batch=batch, max_seq_len=MAX_SEQ, threads=threads, model=model)
     cache = KVCache.allocate(model.cfg, batch, MAX_SEQ, dtype=torch.float32)
-    g = torch.Generator().manual_seed(7)
-    ids = torch.randint(3, model.cfg.vocab_size, (batch, 50), generator=g)
-    last = torch.tensor([49, 33])[:batch]  # ragged: row 1's decode starts at position 34
-    steps = [(ids, torch.arange(50).expand(batch, -1).contiguous(), last)]
-    for i in range(5):
-        steps.append((torch.randint(3, model.cfg.vocab_size, (batch, 1), generator=g), (last + 1 + i)[:, None],
-                      torch.zeros(batch, dtype=torch.long)))
-    for ids_, pos_, idx in steps:
-        got, want = _run(model, native, ids_, pos_, idx), _run(model, cache, ids_, pos_, idx)
-        assert (got - want).abs().max() <= 1e-5 * want.abs().max(), case
+    _ragged_prefill_then_decode(model, native, cache, torch.Generator().manual_seed(7), 50, [49, 33], 5)
     for mine, ref in zip(native.caches[0::2] + native.caches[1::2], cache.keys + cache.values):
         torch.testing.assert_close(mine, ref, rtol=0, atol=1e-5 * float(ref.abs().max()))
 
@@ -284,15 +291,7 @@ def test_int8_cache_equals_the_reference_int8_cache(case, threads, batch, hf_che
     native = NativeBackend(path, max_batch=batch, max_seq_len=MAX_SEQ, threads=threads, model=model,
                            kv_dtype="int8", kv_scales=scales)
     cache = KVCache.allocate(model.cfg, batch, MAX_SEQ, dtype=torch.int8, scales=scales)
-    ids = torch.randint(3, model.cfg.vocab_size, (batch, 40), generator=g)  # margin 1.0: some clamp at +-127
-    last = torch.tensor([39, 21])[:batch]
-    steps = [(ids, torch.arange(40).expand(batch, -1).contiguous(), last)]
-    for i in range(4):
-        steps.append((torch.randint(3, model.cfg.vocab_size, (batch, 1), generator=g), (last + 1 + i)[:, None],
-                      torch.zeros(batch, dtype=torch.long)))
-    for ids_, pos_, idx in steps:
-        got, want = _run(model, native, ids_, pos_, idx), _run(model, cache, ids_, pos_, idx)
-        assert (got - want).abs().max() <= 1e-5 * want.abs().max(), case
+    _ragged_prefill_then_decode(model, native, cache, g, 40, [39, 21], 4)  # margin 1.0: some clamp at +-127
     for mine, ref in zip(native.caches[0::2] + native.caches[1::2], cache.keys + cache.values):
         assert mine.dtype == torch.int8 and torch.equal(mine, ref)
 
