@@ -70,7 +70,8 @@ def quant_linear(w, bits, group, symmetric):
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("symmetric", [True, False])
 @pytest.mark.parametrize("n,k,group", [(24, 32, 32), (16, 96, 32), (40, 576, 32), (9, 1536, 64), (8, 288, 32),
-                                       (8, 256, 128), (8, 544, 32)])
+                                       (8, 256, 128), (8, 544, 32), (8, 224, 32), (8, 416, 32), (12, 192, 64),
+                                       (4, 128, 32)])
 def test_linear_equals_the_int8_activation_formula(engine, bits, symmetric, n, k, group):
     torch.manual_seed(k + n + bits)
     mod = quant_linear(torch.randn(n, k), bits, group, symmetric)
