@@ -5,7 +5,7 @@
 Llama-3-8B-shaped layer: 32 query heads, 8 KV heads, head_dim 128, bf16, batch 1, one query token.
 Bytes moved per call = K and V of the context (2 * 8 * S * 128 * 2) — the floor for decode, which
 is memory bound. Copy bandwidth is measured in the same run (device-to-device copy of 1 GiB, read +
-write). Times are CUDA-event medians. Target (issue 7): >= 70% of copy bandwidth at 16k, faster than SDPA.
+write). Times are CUDA-event medians; figures in docs/benchmarks.md.
 "+rope us": the same decode with the query rotated inside the kernel (RoPE tables, full rotary), and
 "fused us": the one-launch kernel the TensorRT plugin's AOT path embeds (cache write + RoPE + attention,
 no split-K), both on the same inputs.

@@ -209,10 +209,10 @@ def main() -> None:
                                             quantize=a.quantize, quantize_lm_head=bool(a.quantize),
                                             symmetric=bool(a.quantize) and not a.asymmetric,
                                             accuracy_level=a.accuracy_level,
-                                            tolerance=(None, -1.0) if a.quantize else None,  # figures printed below
+                                            tolerance={"max_rel": None, "min_cosine": -1.0} if a.quantize else None,  # figures printed below
                                             allow_degraded=True))
         if a.quantize:
-            from kvedge.export import Sidecar
+            from kvedge.artifact import Sidecar
 
             v = Sidecar.read(out).verification
             print(f"kvedge {low} {a.quantize}: cosine vs quantized PyTorch {v['min_cosine']:.4f}, top-1 vs fp32 "

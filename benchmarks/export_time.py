@@ -3,7 +3,7 @@
     python benchmarks/export_time.py [--attention decomposed,onnx,ort] [--threads 2]
 
 Prints wall time per lowering, verification included, next to the time to load the checkpoint into
-PyTorch measured in the same run (the floor any exporter pays). Target (issue 3): <= 60 s on 2 cores.
+PyTorch measured in the same run (the floor any exporter pays). Figures: docs/benchmarks.md.
 """
 
 from __future__ import annotations

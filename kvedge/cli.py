@@ -128,7 +128,7 @@ def cmd_export(args) -> int:
 
 def _resolve(path: str):
     """(export folder or None, checkpoint folder or None) for a PATH given to bench / parity."""
-    from kvedge.export.contract import SIDECAR, Sidecar
+    from kvedge.artifact import SIDECAR, Sidecar
 
     p = Path(path)
     if (p / SIDECAR).is_file():
@@ -140,49 +140,23 @@ def _resolve(path: str):
 
 
 def _sessions(args, export_dir, ckpt, names, max_seq_len, max_batch):
-    from kvedge.runtime import load
+    """Backend name -> a function opening its Session on what it reads: the export folder, or the checkpoint
+    (matched to the export: the native engine quantizes as the export was)."""
+    from kvedge.runtime import LoadOptions, Session, backends
 
+    opts = LoadOptions(max_batch=max_batch, max_seq_len=max_seq_len, threads=args.threads,
+                       device=getattr(args, "device", None))
     opened = {}
     for name in names:
-        if name == "onnxruntime":
-            if export_dir is None:
-                raise KvedgeError("the onnxruntime backend needs an export folder: run `kvedge export` first")
-            opened[name] = lambda: load(export_dir, "onnxruntime", threads=args.threads, max_batch=max_batch)
-        elif name == "torch":
-            if ckpt is None:
-                raise KvedgeError("the torch backend needs the checkpoint; the export does not record a readable "
-                                  "one: pass --reference CHECKPOINT")
-            opened[name] = lambda: load(ckpt, "torch", threads=args.threads, max_seq_len=max_seq_len,
-                                        max_batch=max_batch, device=getattr(args, "device", None))
-        elif name == "tensorrt":
-            if export_dir is None:
-                raise KvedgeError("the tensorrt backend needs an export folder with model.engine (kvedge build)")
-            opened[name] = lambda: load(export_dir, "tensorrt")
-        elif name == "native":
-            if ckpt is None:
-                raise KvedgeError("the native backend needs the checkpoint; the export does not record a readable "
-                                  "one: pass --reference CHECKPOINT")
-            opened[name] = lambda: _native_session(ckpt, export_dir, args.threads, max_seq_len, max_batch)
-        else:
-            raise KvedgeError(f"unknown backend {name!r}; choose from onnxruntime, torch, tensorrt, native")
+        info = backends.get(name)
+        path = export_dir if info.reads == "export" else ckpt
+        if path is None:
+            raise KvedgeError(f"the {name} backend needs an export folder: run `kvedge export` first"
+                              if info.reads == "export" else
+                              f"the {name} backend needs the checkpoint; the export does not record a readable "
+                              "one: pass --reference CHECKPOINT")
+        opened[name] = lambda info=info, path=path: Session(info.open(path, opts, export=export_dir))
     return opened
-
-
-def _native_session(ckpt: Path, export_dir: Path | None, threads: int, max_seq_len: int, max_batch: int):
-    """The native backend on the checkpoint, quantized as the export was (the same round-to-nearest integers),
-    float32 for an unquantized export; a pre-quantized checkpoint runs as it is."""
-    from kvedge.export.contract import Sidecar
-    from kvedge.runtime import Session
-    from kvedge.runtime.native_backend import NativeBackend
-
-    q = (Sidecar.read(export_dir).extra.get("quantization") or {}) if export_dir is not None else {}
-    if q and not q.get("pre_quantized") and q.get("method", "rtn") != "rtn":
-        raise KvedgeError(f"{export_dir} was quantized with {q['method']}; the native backend quantizes the checkpoint "
-                          f"round-to-nearest and would not run the same weights. Compare an RTN export")
-    opts = {} if q.get("pre_quantized") else dict(
-        quantize=q.get("scheme"), group_size=q.get("group_size", 32), symmetric=bool(q.get("symmetric")),
-        quantize_lm_head=bool(q.get("lm_head")))
-    return Session(NativeBackend(ckpt, max_batch=max_batch, max_seq_len=max_seq_len, threads=threads, **opts))
 
 
 def cmd_bench(args) -> int:
@@ -195,7 +169,7 @@ def cmd_bench(args) -> int:
     batches = [int(x) for x in args.batch.split(",")]
     need = max(prompt_lens) + args.gen_len
     if export_dir is not None:
-        from kvedge.export.contract import Sidecar
+        from kvedge.artifact import Sidecar
 
         sc = Sidecar.read(export_dir)
         if need > sc.max_seq_len:
@@ -251,7 +225,7 @@ def cmd_parity(args) -> int:
                          args.prompt_len + args.steps + 2, 1)
     reference = sessions.pop("torch")()
     tol = {k: v for k, v in (("max_rel", args.max_rel), ("min_cosine", args.min_cosine)) if v is not None}
-    from kvedge.export.contract import Sidecar
+    from kvedge.artifact import Sidecar
 
     dtype = args.dtype or (Sidecar.read(export_dir).dtype if export_dir else "fp32")
     if args.ids:
@@ -321,8 +295,8 @@ def cmd_plan(args) -> int:
 
 
 def cmd_check(args) -> int:
-    from kvedge.export.trt_plan import select_path
-    from kvedge.export.trt_support import check
+    from kvedge.tensorrt.check import check
+    from kvedge.tensorrt.versions import select_path
 
     rep = check(args.model, args.trt_version)
     path = select_path(args.trt_version)
@@ -339,7 +313,7 @@ def cmd_check(args) -> int:
 
 
 def cmd_build(args) -> int:
-    from kvedge.export.trt_build import build
+    from kvedge.tensorrt.build import build
 
     report = build(args.path, args.precision, args.max_batch, args.max_prefill_len, args.workspace_gb,
                    args.timing_cache, args.opt_level, progress=None if args.quiet else
@@ -360,6 +334,9 @@ def cmd_doctor(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from kvedge.export.lowerings import LOWERINGS
+    from kvedge.runtime.backends import BACKENDS
+
     p = argparse.ArgumentParser(prog="kvedge", description=__doc__)
     p.add_argument("--version", action="version", version=f"kvedge {__version__}")
     p.add_argument("--debug", action="store_true", help="show tracebacks on errors")
@@ -380,7 +357,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("path", help="export folder (kvedge.json) or Hugging Face checkpoint folder")
     s.add_argument("--prompt", help="prompt text")
     s.add_argument("--ids", help="prompt as comma-separated token ids instead of text")
-    s.add_argument("--backend", default="auto", choices=("auto", "onnxruntime", "torch", "native"))
+    s.add_argument("--backend", default="auto", choices=("auto", *BACKENDS),
+                   help="auto (default): onnxruntime for an export folder, torch for a checkpoint")
     s.add_argument("--quantize", choices=("int4", "int8", "none"), default="int4",
                    help="native backend: the checkpoint's projections and lm_head, rounded per group of 32 "
                         "(symmetric) as `kvedge export --quantize ... --symmetric --quantize-lm-head`; a pre-quantized "
@@ -398,14 +376,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-seq-len", type=int, default=2048, help="torch and native backends' cache length")
     s.add_argument("--kv-dtype", choices=("int8",), default=None,
                    help="torch and native backends: an int8 cache (calibrated on the built-in text; a quarter of "
-                        "float32's bytes; native decode at 2048 tokens of context 1.2-1.3x faster); an export's "
-                        "cache dtype is set by kvedge export --kv-dtype")
+                        "float32's bytes); an export's cache dtype is set by kvedge export --kv-dtype")
     s.add_argument("--threads", type=int, default=0)
     s.add_argument("--json", action="store_true", help="print the result as JSON at the end instead of streaming")
     s.add_argument("--quiet", action="store_true")
     s.set_defaults(fn=cmd_generate)
-
-    from kvedge.export.lowerings import LOWERINGS
 
     s = sub.add_parser("export", help="export a checkpoint to ONNX (KV cache as inputs/outputs) and verify it",
                        description="Writes OUT/model.onnx, the tokenizer files and OUT/kvedge.json (last). "
@@ -414,10 +389,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("-o", "--out", required=True, help="output folder")
     s.add_argument("--dtype", choices=("fp32", "fp16", "bf16"), default="fp32")
     s.add_argument("--attention", choices=list(LOWERINGS), default="ort",
-                   help="attention lowering: ort (default, the fastest on ONNX Runtime CPU: "
-                        "com.microsoft.GroupQueryAttention), onnx (opset 24, ORT and TensorRT >= 10.15), "
-                        "decomposed (opset 17, TensorRT 8.6-10.14, any runtime), trt (kvedge's fused-attention "
-                        "TensorRT plugin; TensorRT >= 10.7 only)")
+                   help="attention lowering: " + "; ".join(f"{n}: {low.summary}" for n, low in LOWERINGS.items()))
     s.add_argument("--max-seq-len", type=int, default=2048, help="cache length (default 2048)")
     s.add_argument("--max-batch", type=int, default=4, help="largest batch the runtime will bind (default 4)")
     s.add_argument("--force", action="store_true", help="overwrite a non-empty output folder")
@@ -430,14 +402,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "path builds (use --group-size 64 or 128 for INT4 there); default: asymmetric")
     s.add_argument("--method", choices=("rtn", "gptq"), default="rtn",
                    help="rtn (default): round-to-nearest, needs no text and judges no input over another. gptq: "
-                        "compensates rounding errors on the activations of a calibration text; on text like it, "
-                        "far closer to the fp model (tiny trained llama int4: top-1 95%% vs 90%%; demo model: "
-                        "83%% vs 57%%), but on random-weight models it can be worse on unlike inputs (demo, random "
-                        "tokens: 32%% vs 48%%), and its calibration pass is slow on big models (SmolLM2-135M shape: ~3 min)")
+                        "compensates rounding errors on the activations of a calibration text: closer to the fp "
+                        "model on text like it, possibly worse on unlike inputs, and its calibration pass is slow "
+                        "on big models (docs/quantization.md)")
     s.add_argument("--kv-dtype", choices=("fp32", "fp16", "bf16", "int8"),
                    help="KV cache dtype: the model's --dtype (default), or int8 (--attention ort): half of fp16's "
                         "bytes, symmetric per layer, KV head and channel, scales calibrated on --calibration-text "
-                        "(tiny test models: top-1 96-100%% of the float cache's, see README)")
+                        "(docs/quantization.md)")
     s.add_argument("--calibration-text", metavar="FILE",
                    help="UTF-8 text for GPTQ and int8 KV calibration and the perplexity report (default: a built-in "
                         "English text)")
@@ -456,8 +427,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("bench", help="latency and memory per backend: table, JSON, CSV, Markdown and PNG plots")
     s.add_argument("path", help="export folder (onnxruntime; torch via its source checkpoint) or checkpoint")
-    s.add_argument("--backend", default="onnxruntime,torch", help="comma-separated: onnxruntime,torch,native,"
-                   "tensorrt (native: kvedge's C engine on the export's checkpoint, quantized as the export was)")
+    s.add_argument("--backend", default="onnxruntime,torch", help=f"comma-separated, of {','.join(BACKENDS)} "
+                   "(native: kvedge's C engine on the export's checkpoint, quantized as the export was)")
     s.add_argument("--prompt-lens", default="128,512")
     s.add_argument("--gen-len", type=int, default=128)
     s.add_argument("--batch", default="1", help="comma-separated batch sizes")
@@ -473,7 +444,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("parity", help="compare a backend with the PyTorch reference step by step")
     s.add_argument("path", help="export folder (its source checkpoint is the reference) or checkpoint")
-    s.add_argument("--backend", default="onnxruntime")
+    s.add_argument("--backend", default="onnxruntime", help=f"comma-separated, of {','.join(BACKENDS)}")
     s.add_argument("--steps", type=int, default=32)
     s.add_argument("--prompt-len", type=int, default=16, help="length of the seeded random prompt")
     s.add_argument("--seed", type=int, default=0)

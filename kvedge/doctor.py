@@ -67,17 +67,13 @@ def features(f: dict) -> list[dict]:
     def row(name, ok, fix):
         return {"feature": name, "available": bool(ok), "needs": None if ok else fix}
 
+    from kvedge.runtime.backends import BACKENDS
+
     return [
         row("export to ONNX", f["torch"] and f["onnx"], "pip install torch onnx"),
-        row("onnxruntime backend (CPU)", "CPUExecutionProvider" in f["onnxruntime_providers"], "pip install onnxruntime"),
+        *(row(b.feature, b.available(f), b.needs) for b in BACKENDS.values()),
         row("onnxruntime backend (CUDA)", "CUDAExecutionProvider" in f["onnxruntime_providers"] and gpu,
             "an NVIDIA GPU and onnxruntime-gpu (on a Jetson: the wheel built for its JetPack)"),
-        row("torch backend (CUDA)", gpu, "an NVIDIA GPU and a CUDA build of torch"),
-        row("native backend (CPU, kvedge's C engine)", f["c_compiler"],
-            "a C compiler with OpenMP on PATH (cc / gcc, or set CC): e.g. apt install gcc"),
-        row("TensorRT engines", f["tensorrt"] and gpu,
-            "TensorRT's Python bindings and a GPU (JetPack ships them on a Jetson); kvedge's TensorRT build "
-            "and backend are written but have not run on TensorRT yet"),
         row("Triton fused attention", f["triton"] and gpu, "pip install triton, and a CUDA GPU"),
         row("text prompts", f["tokenizers"], "pip install tokenizers"),
         row("chat templates", f["jinja2"], "pip install jinja2"),

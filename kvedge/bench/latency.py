@@ -76,24 +76,6 @@ def peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def weights_bytes(backend) -> int:
-    if backend.name == "torch":
-        return sum(p.numel() * p.element_size() for p in backend.model.parameters())
-    if backend.name == "native":
-        return backend.weights_bytes()
-    import onnx
-    from onnx import helper
-
-    model = onnx.load(str(backend.dir / backend.sidecar.onnx_file), load_external_data=False)
-    total = 0
-    for t in model.graph.initializer:
-        n = 1
-        for d in t.dims:
-            n *= d
-        total += n * helper.tensor_dtype_to_np_dtype(t.data_type).itemsize
-    return total
-
-
 def measure(session, prompt_len: int, batch: int, gen_len: int, warmup: int, repeat: int) -> dict:
     """Time prefill and each decode step; the median run (by total time) is reported."""
     vocab = session.cfg.vocab_size
@@ -137,7 +119,7 @@ def run(sessions: dict[str, Callable], prompt_lens: list[int], batches: list[int
         kv_alloc = sum(t.numel() * t.element_size() for t in be.cache_tensors())
         cache_dtype = be.cache_tensors()[0].dtype
         kv_formula = kv_cache_bytes(session.cfg, be.max_seq_len, be.max_batch, cache_dtype)
-        w = weights_bytes(be)
+        w = be.weights_bytes()
         for pl in prompt_lens:
             for b in batches:
                 done += 1

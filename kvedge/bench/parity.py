@@ -3,7 +3,8 @@
 Both run the same prompt; every decode step feeds both the reference's greedy token (teacher
 forcing), so the per-step figures compare like with like. For each step: max abs and max relative
 logit error, cosine, top-1 agreement. The greedy sequences are also run free, to report whether they
-agree and the first step at which they diverge. Tolerances are per dtype and can be overridden.
+agree and the first step at which they diverge. Tolerances are per dtype (kvedge.runtime.compare, which
+export verification uses too) and can be overridden.
 """
 
 from __future__ import annotations
@@ -12,13 +13,8 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from kvedge.runtime import compare as cmp
 from kvedge.runtime.session import Session
-
-TOLERANCES = {  # dtype: max abs logit error relative to the largest |logit| (>= 1), min cosine
-    "fp32": {"max_rel": 1e-3, "min_cosine": 0.9999},
-    "fp16": {"max_rel": 2e-2, "min_cosine": 0.999},
-    "bf16": {"max_rel": 5e-2, "min_cosine": 0.995},
-}
 
 
 @dataclass
@@ -63,22 +59,15 @@ class ParityReport:
         return "\n".join(lines) + "\n"
 
 
-def _cos(a, b) -> float:
-    return torch.nn.functional.cosine_similarity(a.double().flatten(), b.double().flatten(), dim=0).item()
-
-
 @torch.inference_mode()
 def compare(candidate: Session, reference: Session, prompt: list[int], steps: int, dtype: str = "fp32",
             tolerance: dict | None = None) -> ParityReport:
-    tol = {**TOLERANCES[dtype], **(tolerance or {})}
+    tol = cmp.tolerance(dtype, tolerance)
     rep = ParityReport(candidate.backend.name, reference.backend.name, dtype, tol)
     got, ref = candidate.prefill([prompt]).float(), reference.prefill([prompt]).float()
     for step in range(steps + 1):
-        err = (got - ref).abs().max().item()
-        rel = err / max(1.0, ref.abs().max().item())
-        cos = _cos(got, ref)
-        s = Step(step, err, rel, cos, bool(got.argmax(-1) == ref.argmax(-1)),
-                 rel <= tol["max_rel"] and cos >= tol["min_cosine"])
+        fig = cmp.step(got, ref)
+        s = Step(step, fig.max_abs, fig.max_rel, fig.cosine, fig.top1_agree, fig.ok(tol))
         rep.steps.append(s)
         if not s.ok and rep.first_failing_step is None:
             rep.first_failing_step = step

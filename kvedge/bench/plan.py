@@ -19,7 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvedge.errors import KvedgeError
-from kvedge.models.cache import dtype_bytes, kv_bytes_per_token, kv_scale_bytes, mla_bytes_per_token
+from kvedge.dtypes import nbytes as dtype_bytes
+from kvedge.models.cache import kv_bytes_per_token, kv_scale_bytes, mla_bytes_per_token
 from kvedge.models.config import ModelConfig
 from kvedge.models.quant import QUANT_BITS
 

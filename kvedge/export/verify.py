@@ -2,7 +2,7 @@
 
 A prompt, then N greedy decode steps (the tokens PyTorch chooses are fed to both), with the caches
 bound in place exactly as the runtime binds them. Reports max abs logit error, the lowest cosine and
-the greedy-token agreement; tolerances depend on the dtype. A quantized export is also compared with
+the greedy-token agreement, judged per step by kvedge.runtime.compare (the tolerances of `kvedge parity`). A quantized export is also compared with
 the unquantized model (top-1 agreement, cosine) and both models' perplexity on a text is reported.
 An int8-cache export is compared with the same model over an int8 cache with the same scales (tightly:
 both implement one quantization), and also with the model over a float cache ("vs_fp_cache").
@@ -15,19 +15,10 @@ from pathlib import Path
 
 import torch
 
-from kvedge.export.contract import Sidecar
+from kvedge.artifact import Sidecar
 from kvedge.models import Decoder, KVCache
-
-TOLERANCES = {  # dtype: (max logit error relative to the largest |logit| (at least 1), minimum cosine)
-    "fp32": (1e-3, 0.9999),
-    "fp16": (None, 0.999),
-    "bf16": (None, 0.999),
-}
-
-
-def _cos(a: torch.Tensor, b: torch.Tensor) -> float:
-    return torch.nn.functional.cosine_similarity(a.double().flatten(), b.double().flatten(), dim=0).item()
-
+from kvedge.runtime import compare
+from kvedge.runtime.ort_backend import OrtBackend
 
 # Quantized exports are also compared with the unquantized model: top-1 agreement per scheme.
 QUANT_TOP1 = {"int8": 0.95, "int4": 0.85}
@@ -75,14 +66,13 @@ def compare_on_text(decoder: Decoder, reference: Decoder, rows: torch.Tensor, kv
 
 @torch.inference_mode()
 def verify(decoder: Decoder, out_dir: str | Path, sidecar: Sidecar, prompt_len: int = 16, steps: int = 16,
-           seed: int = 0, tolerance: tuple[float | None, float] | None = None,
+           seed: int = 0, tolerance: dict | None = None,
            fp_reference: Decoder | None = None, allow_degraded: bool = False,
            text: tuple[torch.Tensor, dict] | None = None, kv_scales=None) -> dict:
-    """`text`: (token rows [R, L], what they are) on which a quantized export is also compared with the
-    unquantized model (PyTorch both; the quantized one is the graph within the tolerance above).
+    """tolerance: keys of kvedge.runtime.compare.TOLERANCES overriding the dtype's preset.
+    `text`: (token rows [R, L], what they are) on which a quantized export is also compared with the
+    unquantized model (PyTorch both; the quantized one is the graph within the tolerance).
     kv_scales: the int8 cache's per-layer (k, v) scales; the reference then runs over an int8 cache too."""
-    from kvedge.runtime.ort_backend import OrtBackend
-
     if sidecar.dtype == "bf16":
         return {"passed": True, "skipped": "ONNX Runtime's CPU provider has no bf16 kernels; the graph was "
                 "checked by onnx.checker only", "max_abs_error": float("nan"), "min_cosine": float("nan"),
@@ -95,7 +85,8 @@ def verify(decoder: Decoder, out_dir: str | Path, sidecar: Sidecar, prompt_len: 
     ids = torch.randint(0, cfg.vocab_size, (1, prompt_len), generator=g)
     pos = torch.arange(prompt_len)[None]
     last = torch.tensor([prompt_len - 1])
-    errs, coss, agree, scale = [], [], [], 1.0
+    tol = compare.tolerance(sidecar.dtype, tolerance)
+    figs = []
     others = {}  # report key -> (model, float cache, scheme, top-1 thresholds): compared with the graph too
     if fp_reference is not None:  # the unquantized model, fed the same tokens
         scheme = (sidecar.extra.get("quantization") or {}).get("scheme", "int8")
@@ -106,24 +97,22 @@ def verify(decoder: Decoder, out_dir: str | Path, sidecar: Sidecar, prompt_len: 
     for step in range(steps + 1):
         ref = decoder(ids, pos, cache.for_batch(1), logit_index=last).float()
         got = backend.forward(ids, pos, last).float()
-        errs.append((ref - got).abs().max().item())
-        scale = max(scale, ref.abs().max().item())
-        coss.append(_cos(ref, got))
-        agree.append(bool(ref[0, -1].argmax() == got[0, -1].argmax()))
+        figs.append(compare.step(got, ref))
         for name, (model, fp_cache, _, _) in others.items():
-            fp = model(ids, pos, fp_cache.for_batch(1), logit_index=last).float()
-            seen[name][0].append(bool(fp[0, -1].argmax() == got[0, -1].argmax()))
-            seen[name][1].append(_cos(fp, got))
+            fig = compare.step(got, model(ids, pos, fp_cache.for_batch(1), logit_index=last))
+            seen[name][0].append(fig.top1_agree)
+            seen[name][1].append(fig.cosine)
         ids = ref[:, -1].argmax(-1, keepdim=True)  # teacher-forced on PyTorch's greedy choice
         pos = torch.tensor([[prompt_len + step]])
         last = torch.tensor([0])
-    max_abs, min_cos = max(errs), min(coss)
-    tol_abs, tol_cos = tolerance or TOLERANCES[sidecar.dtype]
+    worst = max(figs, key=lambda st: st.max_rel)
+    min_cos = min(st.cosine for st in figs)
     reasons = []
-    if tol_abs is not None and not max_abs <= tol_abs * scale:
-        reasons.append(f"max abs logit error {max_abs:.3e} > {tol_abs:g} x {scale:.3g} (largest |logit|)")
-    if not min_cos >= tol_cos:
-        reasons.append(f"cosine {min_cos:.6f} < {tol_cos}")
+    if tol["max_rel"] is not None and not worst.max_rel <= tol["max_rel"]:
+        reasons.append(f"max abs logit error {worst.max_abs:.3e} > {tol['max_rel']:g} x {worst.scale:.3g} "
+                       f"(largest |logit| of that step)")
+    if not min_cos >= tol["min_cosine"]:
+        reasons.append(f"cosine {min_cos:.6f} < {tol['min_cosine']}")
     quant = {}
     for name, (model, _, scheme, thresholds) in others.items():
         agree_fp, cos_fp = seen[name]
@@ -137,5 +126,22 @@ def verify(decoder: Decoder, out_dir: str | Path, sidecar: Sidecar, prompt_len: 
             reasons.append(f"{scheme} top-1 agreement with {against} {top1:.0%} < "
                            f"{thresholds[scheme]:.0%} (pass --allow-degraded to keep it)")
     return {**quant, "passed": not reasons, "reason": "; ".join(reasons), "prompt_len": prompt_len, "steps": steps,
-            "max_abs_error": max_abs, "max_abs_logit": scale, "min_cosine": min_cos, "greedy_agreement": sum(agree) / len(agree),
-            "tolerance": {"max_abs": tol_abs, "min_cosine": tol_cos}, "provider": "CPUExecutionProvider"}
+            "max_abs_error": max(st.max_abs for st in figs), "max_rel_error": worst.max_rel,
+            "max_abs_logit": max(st.scale for st in figs), "min_cosine": min_cos,
+            "greedy_agreement": sum(st.top1_agree for st in figs) / len(figs), "tolerance": tol,
+            "provider": "CPUExecutionProvider"}
+
+
+def summary(report: dict) -> list[str]:
+    """The verification report as progress lines: the graph against PyTorch, then each further comparison."""
+    lines = [f"max abs {report['max_abs_error']:.2e}, cosine {report['min_cosine']:.6f}, "
+             f"greedy agreement {report['greedy_agreement']:.0%}" + ("" if report["passed"] else "  FAILED")]
+    for key, against in (("vs_unquantized", "against the unquantized model"),
+                         ("vs_fp_cache", "int8 KV cache against a float cache")):
+        if key in report:
+            v, t = report[key], report[key]["on_text"]
+            lines.append(f"{against}: top-1 {v['top1_agreement']:.0%}, min cosine {v['min_cosine']:.4f} (random "
+                         f"prompt); on {t['tokens']} tokens of the {t['text']} text: top-1 {t['top1_agreement']:.0%}, "
+                         f"mean cosine {t['mean_cosine']:.4f}, perplexity {t['reference_perplexity']:.3f} -> "
+                         f"{t['perplexity']:.3f}")
+    return lines

@@ -1,4 +1,4 @@
-"""KV-cache allocation and size arithmetic.
+"""KV-cache allocation and size arithmetic (calibrating an int8 cache's scales: kvedge.runtime.calibration).
 
 Per layer the cache is two tensors [max_batch, kv_heads, max_seq_len, head_dim], allocated once and
 written in place. It holds kv_heads, never q_heads: GQA's memory saving is kept in the cache.
@@ -16,32 +16,20 @@ from dataclasses import dataclass
 
 import torch
 
+from kvedge.dtypes import nbytes
 from kvedge.errors import KvedgeError
 from kvedge.models.config import ModelConfig
 
-DTYPE_BYTES = {"float32": 4, "fp32": 4, "float16": 2, "fp16": 2, "bfloat16": 2, "bf16": 2,
-               "int8": 1, "fp8": 1, "int4": 0.5}
-KV_SCALE_MARGIN = 1.5  # int8 cache scales: the calibrated max |k|, |v| times this maps to 127 (headroom
-# for tokens the text lacks; tiny test models: random-prompt top-1 vs a float cache 0.89 at 1.0, 0.96-0.98 at 1.5)
-
-
-def dtype_bytes(dtype: str | torch.dtype) -> float:
-    if isinstance(dtype, torch.dtype):
-        return torch.empty((), dtype=dtype).element_size()
-    try:
-        return DTYPE_BYTES[dtype]
-    except KeyError:
-        raise KvedgeError(f"unknown dtype {dtype!r}; expected one of {sorted(DTYPE_BYTES)}") from None
 
 
 def kv_bytes_per_token(n_layers: int, kv_heads: int, head_dim: int, dtype: str | torch.dtype = "fp16") -> int:
     """Bytes of K and V for one token across all layers (MHA, GQA and MQA alike)."""
-    return int(2 * n_layers * kv_heads * head_dim * dtype_bytes(dtype))
+    return int(2 * n_layers * kv_heads * head_dim * nbytes(dtype))
 
 
 def mla_bytes_per_token(n_layers: int, d_c: int, d_rope: int, dtype: str | torch.dtype = "fp16") -> int:
     """Bytes for one token of an MLA cache: the compressed latent d_c plus the decoupled RoPE key d_rope."""
-    return int((d_c + d_rope) * n_layers * dtype_bytes(dtype))
+    return int((d_c + d_rope) * n_layers * nbytes(dtype))
 
 
 def kv_scale_bytes(n_layers: int, kv_heads: int, head_dim: int, dtype: str | torch.dtype = "fp16") -> int:
@@ -54,31 +42,6 @@ def kv_cache_bytes(cfg: ModelConfig, tokens: int, batch: int = 1, dtype: str | t
     """Bytes of a cache holding `tokens` positions for `batch` sequences of this model (int8: with its scales)."""
     shape = (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
     return kv_bytes_per_token(*shape, dtype) * tokens * batch + kv_scale_bytes(*shape, dtype)
-
-
-@torch.inference_mode()
-def calibrate_kv_scales(decoder, rows: torch.Tensor, margin: float = KV_SCALE_MARGIN
-                        ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Per-layer (k_scales, v_scales) [1, Hkv, 1, D] float32 for an int8 cache: the decoder, with a float
-    cache, over token rows [R, L] (one at a time); per layer, KV head and channel the largest |k| (after
-    RoPE: the op rotates before writing) and |v| in its cache, times `margin`, / 127."""
-    cfg = decoder.cfg
-    param = next(decoder.parameters())
-    k_max = [torch.zeros(cfg.num_kv_heads, cfg.head_dim) for _ in range(cfg.num_layers)]
-    v_max = [torch.zeros(cfg.num_kv_heads, cfg.head_dim) for _ in range(cfg.num_layers)]
-    for row in rows:
-        row = row.to(param.device)
-        cache = KVCache.allocate(cfg, 1, row.numel(), dtype=param.dtype, device=param.device)
-        decoder(row[None], torch.arange(row.numel(), device=param.device)[None], cache.for_batch(1),
-                logit_index=torch.zeros(1, dtype=torch.long, device=param.device))
-        for i in range(cfg.num_layers):
-            k_max[i] = torch.maximum(k_max[i], cache.keys[i][0].abs().amax(1).float().cpu())
-            v_max[i] = torch.maximum(v_max[i], cache.values[i][0].abs().amax(1).float().cpu())
-
-    def scale(m):  # a channel that was always 0 gets a tiny scale, not a division by zero
-        return (m * margin / 127).clamp_min(1e-8)[None, :, None]
-
-    return [scale(m) for m in k_max], [scale(m) for m in v_max]
 
 
 @dataclass
@@ -99,7 +62,7 @@ class KVCache:
             raise KvedgeError(f"cache needs max_batch >= 1 and max_seq_len >= 1, got {max_batch}, {max_seq_len}")
         if (dtype == torch.int8) != (scales is not None):
             raise KvedgeError(f"a {dtype} cache {'needs' if dtype == torch.int8 else 'takes no'} k/v scales; "
-                              "int8 caches are calibrated by kvedge.models.cache.calibrate_kv_scales")
+                              "int8 caches are calibrated by kvedge.runtime.calibration.calibrate_kv_scales")
         if scales is not None:
             scales = tuple([s.to(device=device, dtype=torch.float32) for s in side] for side in scales)
             if any(len(side) != cfg.num_layers for side in scales):

@@ -13,16 +13,13 @@ from pathlib import Path
 
 import torch
 
+from kvedge.dtypes import FLOATS, GRAPH, TORCH
 from kvedge.errors import CheckpointError, ConfigError
 from kvedge.models.config import ModelConfig, load_config
 from kvedge.models import prequant, rope
 from kvedge.models.decoder import Decoder
 
-TORCH_DTYPES = {
-    "float32": torch.float32, "fp32": torch.float32,
-    "float16": torch.float16, "fp16": torch.float16,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-}
+FLOAT_NAMES = (*FLOATS, *GRAPH.values())  # the dtypes a model may have
 _FLOAT_ST_DTYPES = {"F32", "F16", "BF16", "F64"}
 # Non-parameter buffers some exporters saved; they carry no weights.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", ".attn.bias", ".attn.masked_bias")
@@ -40,10 +37,9 @@ class Source:
 def torch_dtype(name: str | torch.dtype | None) -> torch.dtype | None:
     if name is None or isinstance(name, torch.dtype):
         return name
-    try:
-        return TORCH_DTYPES[name]
-    except KeyError:
-        raise ConfigError(f"unknown dtype {name!r}; expected one of {sorted(TORCH_DTYPES)}") from None
+    if name not in FLOAT_NAMES:
+        raise ConfigError(f"unknown dtype {name!r}; expected one of {sorted(FLOAT_NAMES)}")
+    return TORCH[name]
 
 
 def tensor_map(cfg: ModelConfig, prefix: str = "") -> dict[str, Source]:
@@ -243,7 +239,7 @@ def load_decoder(model_dir: str | Path, dtype: str | torch.dtype | None = None,
     """Build the Decoder of a local checkpoint directory, in the checkpoint's dtype or `dtype`."""
     model_dir = Path(model_dir)
     cfg = load_config(model_dir)
-    want = torch_dtype(dtype) or TORCH_DTYPES.get(cfg.dtype, torch.float32)
+    want = torch_dtype(dtype) or (TORCH[cfg.dtype] if cfg.dtype in FLOAT_NAMES else torch.float32)
     ckpt = _Checkpoint(model_dir, allow_bin)
     prefix = "transformer." if cfg.arch == "gpt2" and "transformer.wte.weight" in ckpt.shapes else ""
     tmap = tensor_map(cfg, prefix)

@@ -28,8 +28,15 @@ def _pack4(q: torch.Tensor) -> torch.Tensor:
     return (q[..., 0::2] | (q[..., 1::2] << 4)).to(torch.uint8)
 
 
-def _unpack4(b: torch.Tensor, n: int) -> torch.Tensor:
-    out = torch.stack((b & 0x0F, b >> 4), dim=-1).flatten(-2)
+def unpack4(b, n: int):
+    """[..., m] bytes -> [..., n] values in 0..15 (n <= 2m), the even index from the low nibble; a torch
+    tensor or a numpy array, returned as the same kind."""
+    if isinstance(b, torch.Tensor):
+        out = torch.stack((b & 0x0F, b >> 4), dim=-1).flatten(-2)
+    else:
+        import numpy as np
+
+        out = np.stack((b & 0x0F, b >> 4), axis=-1).reshape(*b.shape[:-1], -1)
     return out[..., :n]
 
 
@@ -93,14 +100,14 @@ def quantize(w: torch.Tensor, bits: int, group: int, symmetric: bool = False
 def dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int, k: int) -> torch.Tensor:
     n, nb = qweight.shape[0], qweight.shape[1]
     group = k // nb
-    q = _unpack4(qweight, group) if bits == 4 else qweight
+    q = unpack4(qweight, group) if bits == 4 else qweight
     z = unpack_zeros(zeros, bits, n, nb)
     return dequantize_values(q, scales.reshape(n, nb)[..., None], z[..., None]).reshape(n, k)
 
 
 def unpack_zeros(zeros: torch.Tensor, bits: int, n: int, groups: int) -> torch.Tensor:
     """The MatMulNBits zero points (4 bits: packed two a byte, rows padded to whole bytes) -> uint8 [n, groups]."""
-    return _unpack4(zeros.reshape(n, -1), groups) if bits == 4 else zeros.reshape(n, groups)
+    return unpack4(zeros.reshape(n, -1), groups) if bits == 4 else zeros.reshape(n, groups)
 
 
 def dequantize_values(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""The Backend protocol: what the generation loop needs from torch, ONNX Runtime or TensorRT.
+"""The Backend protocol: what the generation loop and `kvedge bench` need from every backend.
 
 A backend owns its caches, allocated once at load for (max_batch, max_seq_len) and updated in place.
 `forward` runs one chunk with the graph contract's inputs and returns the logits of one position per
@@ -28,6 +28,11 @@ class Backend(Protocol):
     def reset(self) -> None: ...
 
     def cache_tensors(self) -> list[torch.Tensor]: ...
+
+    def weights_bytes(self) -> int:
+        """Bytes of what the backend holds besides its caches: parameters (torch), the graph's initializers
+        (onnxruntime, tensorrt), or all the native engine reads (native)."""
+        ...
 
 
 class CacheList:

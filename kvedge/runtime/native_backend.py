@@ -39,12 +39,14 @@ _ACTS = {"silu": 0, "gelu": 1, "gelu_tanh": 2}
 
 
 class Linear(ctypes.Structure):
+    _c_struct_ = "kv_linear"  # the C struct this mirrors, field for field (check_layout)
     _fields_ = [("n", ctypes.c_int32), ("k", ctypes.c_int32), ("bits", ctypes.c_int32), ("sym", ctypes.c_int32),
                 ("zsym", ctypes.c_float), ("q", ctypes.c_void_p), ("s", ctypes.c_void_p), ("z", ctypes.c_void_p),
                 ("w", ctypes.c_void_p), ("bias", ctypes.c_void_p)]
 
 
 class Layer(ctypes.Structure):
+    _c_struct_ = "kv_layer"
     _fields_ = [(n, ctypes.c_void_p) for n in ("attn_norm", "mlp_norm", "q_norm", "k_norm", "post_attn_norm",
                                               "post_mlp_norm")] + \
                [(n, Linear) for n in ("qkv", "o", "up", "down")] + \
@@ -53,11 +55,40 @@ class Layer(ctypes.Structure):
 
 
 class Model(ctypes.Structure):
+    _c_struct_ = "kv_model"
     _fields_ = [(n, ctypes.c_int32) for n in ("vocab", "hidden", "n_layers", "hq", "hkv", "d", "inter", "rot_half",
                                               "glu", "act", "unit_offset", "max_batch", "max_seq")] + \
                [(n, ctypes.c_float) for n in ("eps", "attn_scale", "attn_softcap", "final_softcap", "embed_scale")] + \
                [("embed", ctypes.c_void_p), ("final_norm", ctypes.c_void_p), ("lm_head", Linear),
                 ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p), ("layers", ctypes.POINTER(Layer))]
+
+
+def check_layout(dll: ctypes.CDLL, structs: tuple[type[ctypes.Structure], ...] = (Linear, Layer, Model)) -> None:
+    """Raise KvedgeError unless each ctypes struct lays out as the C struct it mirrors (named by _c_struct_):
+    the same size, and every field, by name, at the same offset with the same size (the engine's kv_layout)."""
+    dll.kv_layout.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_size_t)]
+    dll.kv_layout.restype = ctypes.c_char_p
+    c, at = {}, (ctypes.c_size_t * 2)()  # "kv_linear" -> (0, sizeof), "kv_linear.n" -> (offsetof, sizeof)
+    while (name := dll.kv_layout(len(c), at)) is not None:
+        c[name.decode()] = (at[0], at[1])
+    bad, none = [], ("none", "none")  # none: a field one side lacks
+    for st in structs:
+        cs = st._c_struct_
+        py = {cs: (0, ctypes.sizeof(st))} | {f"{cs}.{f}": (getattr(st, f).offset, getattr(st, f).size)
+                                             for f, *_ in st._fields_}
+        whats = []
+        for key in [*py, *(k for k in c if k.startswith(cs + ".") and k not in py)]:
+            (co, csz), (po, psz) = c.get(key, none), py.get(key, none)
+            if key == cs and csz != psz:
+                whats.append(f"in size: C {csz}, ctypes {psz}")
+            elif key != cs and (co, csz) != (po, psz):
+                whats.append(f"at field {key[len(cs) + 1:]}: " + (f"C offset {co}, ctypes {po}" if co != po else
+                                                                   f"C size {csz}, ctypes {psz}"))
+        if whats:
+            bad.append(f"the native engine's C struct {cs} and its ctypes mirror {st.__name__} disagree "
+                       + "; ".join(whats))
+    if bad:
+        raise KvedgeError("; ".join(bad) + f" (kvedge/runtime/native_backend.py must mirror {SOURCE.name})")
 
 
 def _cpu() -> str:
@@ -97,6 +128,7 @@ def compile_engine(flags: tuple[str, ...] = FLAGS, cache_dir: str | Path | None 
             raise KvedgeError(f"compiling {SOURCE.name} failed ({cc} {' '.join(flags)}):\n{r.stderr[-2000:]}")
         tmp.replace(lib)  # atomic: concurrent first uses each compile, one file wins
     dll = ctypes.CDLL(str(lib))
+    check_layout(dll)
     dll.kv_stride.argtypes = [ctypes.c_int]
     dll.kv_pack.argtypes = [ctypes.POINTER(Linear), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
     dll.kv_linear_forward.argtypes = [ctypes.POINTER(Linear), ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
@@ -176,7 +208,7 @@ class NativeBackend(CacheList):
         keeps float32 projections; int8 / int4 round to nearest per group (as `kvedge export --quantize`).
         model: an already built (and quantized) Decoder to run instead of loading model_dir.
         kv_dtype "int8": an int8 cache (a quarter of float32's bytes) with per-layer, KV head and channel
-        scales, kv_scales (k_scales, v_scales) as kvedge.models.cache.calibrate_kv_scales gives them, or
+        scales, kv_scales (k_scales, v_scales) as kvedge.runtime.calibration.calibrate_kv_scales gives them, or
         calibrated here on the built-in text through the (quantized) model, as `kvedge export --kv-dtype
         int8` does; new K/V are quantized on write and attention reads them dequantized, as the reference op."""
         if model is None:
@@ -203,11 +235,9 @@ class NativeBackend(CacheList):
         self.kv_scales = None
         if kv_dtype == "int8":
             if kv_scales is None:
-                from kvedge.calibration import calibration_rows
-                from kvedge.models.cache import calibrate_kv_scales
+                from kvedge.runtime.calibration import builtin_kv_scales
 
-                rows, _ = calibration_rows(Path(model_dir), cfg, None, 2048)
-                kv_scales = calibrate_kv_scales(model, rows)
+                kv_scales = builtin_kv_scales(model, model_dir)
             if any(len(side) != cfg.num_layers for side in kv_scales):
                 raise KvedgeError(f"kv_scales: one (k, v) scale tensor per layer expected, the model has "
                                   f"{cfg.num_layers} layers")
@@ -263,3 +293,23 @@ class NativeBackend(CacheList):
         self.dll.kv_forward(ctypes.byref(self.m), b, length, ids.data_ptr(), pos.data_ptr(), idx.data_ptr(),
                             self.logits.data_ptr(), self.threads, self.scratch.data_ptr())
         return self.logits[:b]
+
+
+def open_backend(path: Path, o, export: Path | None = None) -> NativeBackend:
+    """The runtime's entry point (kvedge.runtime.backends): the C engine on a checkpoint. With `export` (kvedge
+    bench / parity), quantized as that export was (the same round-to-nearest integers), float32 for an
+    unquantized export; a pre-quantized checkpoint runs as it is."""
+    if export is None:
+        return NativeBackend(path, max_batch=o.max_batch or 1, max_seq_len=o.max_seq_len, threads=o.threads,
+                             quantize=o.quantize, kv_dtype=o.kv_dtype)
+    from kvedge.artifact import Sidecar
+
+    q = Sidecar.read(export).extra.get("quantization") or {}
+    if q and not q.get("pre_quantized") and q.get("method", "rtn") != "rtn":
+        raise KvedgeError(f"{export} was quantized with {q['method']}; the native backend quantizes the checkpoint "
+                          f"round-to-nearest and would not run the same weights. Compare an RTN export")
+    opts = {} if q.get("pre_quantized") else dict(
+        quantize=q.get("scheme"), group_size=q.get("group_size", 32), symmetric=bool(q.get("symmetric")),
+        quantize_lm_head=bool(q.get("lm_head")))
+    return NativeBackend(path, max_batch=o.max_batch or 1, max_seq_len=o.max_seq_len, threads=o.threads,
+                         kv_dtype=o.kv_dtype, **opts)

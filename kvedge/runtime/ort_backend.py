@@ -13,14 +13,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from kvedge.artifact import TOKEN_INPUTS, Sidecar, older, onnx_weight_bytes
+from kvedge.dtypes import NUMPY, to_torch
 from kvedge.errors import KvedgeError, MissingDependencyError
-from kvedge.export import lowerings
-from kvedge.export.contract import Sidecar, input_names, output_names
-from kvedge.models.loader import TORCH_DTYPES
 from kvedge.runtime.backend import CacheList
-
-_NP = {torch.float32: np.float32, torch.float16: np.float16, torch.int64: np.int64, torch.int8: np.int8}
-_CACHE_DTYPES = {**TORCH_DTYPES, "int8": torch.int8}
 
 
 class OrtBackend(CacheList):
@@ -35,10 +31,10 @@ class OrtBackend(CacheList):
         self.dir = Path(export_dir)
         self.sidecar = sc = sidecar or Sidecar.read(self.dir)
         self.cfg = sc.model
-        need = getattr(lowerings.LOWERINGS.get(sc.lowering), "MIN_ONNXRUNTIME", None)
-        if need and tuple(int(x) for x in ort.__version__.split(".")[:2]) < need:
+        need = sc.requires.get("onnxruntime")
+        if need and older(ort.__version__, need):
             raise KvedgeError(f"{self.dir}: graphs of the {sc.lowering!r} lowering need onnxruntime >= "
-                              f"{'.'.join(map(str, need))}; this is {ort.__version__}. Upgrade onnxruntime, "
+                              f"{need}; this is {ort.__version__}. Upgrade onnxruntime, "
                               f"or export with --attention onnx")
         available = ort.get_available_providers()
         providers = providers or ["CPUExecutionProvider"]
@@ -58,17 +54,15 @@ class OrtBackend(CacheList):
         self._check_graph()
         self.max_batch = max_batch or sc.max_batch
         self.max_seq_len = sc.max_seq_len
-        self.dtype = TORCH_DTYPES[sc.dtype]
-        if self.dtype not in _NP:
+        self.dtype = to_torch(sc.dtype)
+        if self.dtype not in NUMPY:
             raise KvedgeError(f"the onnxruntime backend cannot bind {sc.dtype} caches from Python; "
                               f"export with --dtype fp32 or fp16")
         shape = (self.max_batch, self.cfg.num_kv_heads, self.max_seq_len, self.cfg.head_dim)
         n = self.cfg.num_layers
-        self.cache_dtype = _CACHE_DTYPES[sc.cache_dtype]  # the model's dtype, or int8
+        self.cache_dtype = to_torch(sc.cache_dtype)  # the model's dtype, or int8
         self.caches = [torch.zeros(shape, dtype=self.cache_dtype) for _ in range(2 * n)]  # k0, v0, k1, v1, ...
-        logits_dtype = torch.float32 if sc.outputs[0]["dtype"] == "float32" else self.dtype
-        self.logits = torch.empty((self.max_batch, 1, self.cfg.vocab_size), dtype=logits_dtype)
-        self._in, self._out = input_names(n), output_names(n)
+        self.logits = torch.empty((self.max_batch, 1, self.cfg.vocab_size), dtype=to_torch(sc.logits_dtype))
         self.binding = self.session.io_binding()
         self._bound_batch = 0
 
@@ -91,13 +85,13 @@ class OrtBackend(CacheList):
     def _bind(self, batch: int) -> None:
         """Bind caches (past and present to one buffer) and logits for this batch size."""
         b = self.binding
-        for name, out, t in zip(self._in[3:], self._out[1:], self.caches):
+        for (name, out), t in zip(self.sidecar.cache_pairs, self.caches):
             view = t[:batch]  # first rows of a C-contiguous tensor: contiguous, same storage
             shape = list(view.shape)
-            b.bind_input(name, "cpu", 0, _NP[t.dtype], shape, view.data_ptr())
-            b.bind_output(out, "cpu", 0, _NP[t.dtype], shape, view.data_ptr())
+            b.bind_input(name, "cpu", 0, NUMPY[t.dtype], shape, view.data_ptr())
+            b.bind_output(out, "cpu", 0, NUMPY[t.dtype], shape, view.data_ptr())
         lg = self.logits[:batch]
-        b.bind_output("logits", "cpu", 0, _NP[lg.dtype], list(lg.shape), lg.data_ptr())
+        b.bind_output("logits", "cpu", 0, NUMPY[lg.dtype], list(lg.shape), lg.data_ptr())
         self._bound_batch = batch
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
@@ -109,7 +103,15 @@ class OrtBackend(CacheList):
         if batch != self._bound_batch:
             self._bind(batch)
         keep = [t.to(torch.int64).contiguous() for t in (input_ids, position_ids, logits_index)]
-        for name, t in zip(self._in[:3], keep):  # `keep` holds the buffers alive through the run
+        for name, t in zip(TOKEN_INPUTS, keep):  # `keep` holds the buffers alive through the run
             self.binding.bind_input(name, "cpu", 0, np.int64, list(t.shape), t.data_ptr())
         self.session.run_with_iobinding(self.binding)
         return self.logits[:batch]
+
+    def weights_bytes(self) -> int:
+        return onnx_weight_bytes(self.dir, self.sidecar)
+
+
+def open_backend(path: Path, o, export: Path | None = None) -> OrtBackend:
+    """The runtime's entry point (kvedge.runtime.backends): an export folder on ONNX Runtime."""
+    return OrtBackend(path, providers=o.providers, threads=o.threads, max_batch=o.max_batch)

@@ -39,11 +39,9 @@ class TorchBackend:
         cache_dtype = param.dtype
         if kv_dtype == "int8":
             if kv_scales is None:
-                from kvedge.calibration import calibration_rows
-                from kvedge.models.cache import calibrate_kv_scales
+                from kvedge.runtime.calibration import builtin_kv_scales
 
-                rows, _ = calibration_rows(Path(model_dir), self.cfg, None, 2048)
-                kv_scales = calibrate_kv_scales(self.model, rows)
+                kv_scales = builtin_kv_scales(self.model, model_dir)
             cache_dtype = torch.int8
         elif kv_dtype is not None:
             raise KvedgeError(f"kv_dtype {kv_dtype!r}: the torch backend's cache is the model's dtype or int8")
@@ -69,3 +67,12 @@ class TorchBackend:
 
     def cache_tensors(self) -> list[torch.Tensor]:
         return self.cache.keys + self.cache.values
+
+    def weights_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+
+
+def open_backend(path: Path, o, export: Path | None = None) -> TorchBackend:
+    """The runtime's entry point (kvedge.runtime.backends): the reference Decoder on a checkpoint."""
+    return TorchBackend(path, max_batch=o.max_batch or 4, max_seq_len=o.max_seq_len, dtype=o.dtype, device=o.device,
+                        threads=o.threads, kv_dtype=o.kv_dtype)

@@ -45,7 +45,7 @@ def attention_only_graph(lowering: str, q, k, v, kc, vc, pos, scale, window, sof
             return cached_attention(q, k, v, kc, vc, pos, scale, window, softcap)
 
     low = LOWERINGS[lowering]
-    prog = torch.onnx.export(Only(), (q, k, v, kc, vc, pos), dynamo=True, opset_version=max(low.OPSET, 18),
+    prog = torch.onnx.export(Only(), (q, k, v, kc, vc, pos), dynamo=True, opset_version=max(low.opset, 18),
                              input_names=["q", "k", "v", "k_cache", "v_cache", "positions"],
                              output_names=["out", "present_key", "present_value"],
                              custom_translation_table={torch.ops.kvedge.cached_attention.default: low.translate})

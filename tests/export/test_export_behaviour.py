@@ -8,7 +8,8 @@ import torch
 
 from kvedge.cli import main
 from kvedge.errors import KvedgeError
-from kvedge.export import SIDECAR, ExportOptions, Sidecar, export
+from kvedge.artifact import SIDECAR, Sidecar
+from kvedge.export import ExportOptions, export
 from kvedge.export import exporter as exporter_module
 from kvedge.models import KVCache, load_decoder
 from kvedge.runtime.ort_backend import OrtBackend
@@ -51,7 +52,7 @@ def test_existing_folder_is_refused_without_force(tmp_path, hf_checkpoint):
 def test_failed_verification_leaves_no_sidecar(tmp_path, hf_checkpoint):
     path, _ = hf_checkpoint("llama-mha")
     with pytest.raises(KvedgeError, match=r"verification failed: max abs logit error .* > 0 x .*; no kvedge\.json"):
-        export(path, tmp_path / "out", ExportOptions(max_seq_len=32, tolerance=(0.0, -1.0)))
+        export(path, tmp_path / "out", ExportOptions(max_seq_len=32, tolerance={"max_rel": 0.0, "min_cosine": -1.0}))
     assert not (tmp_path / "out" / SIDECAR).exists()
 
 

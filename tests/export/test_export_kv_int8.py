@@ -10,9 +10,9 @@ import torch
 
 from kvedge.errors import KvedgeError
 from kvedge.export import ExportOptions, export
-from kvedge.calibration import calibration_rows
+from kvedge.runtime.calibration import calibration_rows
 from kvedge.models import KVCache, load_decoder
-from kvedge.models.cache import calibrate_kv_scales
+from kvedge.runtime.calibration import calibrate_kv_scales
 from kvedge.runtime import Session
 from kvedge.runtime.ort_backend import OrtBackend
 from tests.conftest import MAX_SEQ

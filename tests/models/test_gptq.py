@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kvedge.export import ExportOptions, export
-from kvedge.calibration import calibration_rows
+from kvedge.runtime.calibration import calibration_rows
 from kvedge.export.verify import compare_on_text, perplexity
 from kvedge.models import load_config, load_decoder
 from kvedge.models.gptq import gptq_quantize

@@ -184,13 +184,14 @@ def test_missing_compiler_is_a_clear_error(monkeypatch, tmp_path):
 
 
 def test_bench_runs_the_native_backend_quantized_as_the_export_was(exported, hf_checkpoint, tmp_path):
-    from kvedge.cli import _native_session, main
+    from kvedge.cli import main
+    from kvedge.runtime import BACKENDS, LoadOptions
 
     case = "llama-gqa2-bias"
     out, _ = exported(case, "ort", quantize="int4", symmetric=True, quantize_lm_head=True, group_size=32,
                       allow_degraded=True)  # random tiny weights: int4 is far from fp32, speed only
-    session = _native_session(hf_checkpoint(case)[0], out, threads=2, max_seq_len=MAX_SEQ, max_batch=1)
-    be = session.backend
+    be = BACKENDS["native"].open(hf_checkpoint(case)[0], LoadOptions(threads=2, max_seq_len=MAX_SEQ, max_batch=1),
+                                 export=out)
     assert all(isinstance(getattr(blk, n), QuantLinear) and getattr(blk, n).bits == 4
                for blk in be.model.layers for n in ("qkv", "o", "up", "down"))
     assert isinstance(be.model.lm_head, QuantLinear) and be.m.lm_head.sym == 1 and be.m.lm_head.bits == 4
@@ -283,7 +284,7 @@ def test_int8_cache_equals_the_reference_int8_cache(case, threads, batch, hf_che
     PyTorch Decoder's over an int8 cache with the same calibrated scales, through prefill of ragged rows
     (many 4-query blocks of one KV head on a thread) and decode past 32 positions; windows and softcaps in
     gemma2, q/k norms in qwen3, MQA with 8 query heads."""
-    from kvedge.models.cache import calibrate_kv_scales
+    from kvedge.runtime.calibration import calibrate_kv_scales
 
     path, _ = hf_checkpoint(case)
     model = load_decoder(path, dtype="float32")

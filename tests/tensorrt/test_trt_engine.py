@@ -17,8 +17,8 @@ def test_build_parity_bench(tmp_path):
     from kvedge.bench import latency
     from kvedge.bench.parity import compare
     from kvedge.export import ExportOptions, export
-    from kvedge.export.trt_build import build
-    from kvedge.export.trt_plan import select_path
+    from kvedge.tensorrt.build import build
+    from kvedge.tensorrt.versions import select_path
     from kvedge.models.demo import write_demo_checkpoint
     from kvedge.runtime import load
 

@@ -1,40 +1,64 @@
-"""Lowerings of the one attention op, one small module each.
+"""Lowerings of the one attention op (and the one quantized linear), one small module each.
 
-Each module has NAME, OPSET, `unsupported(cfg) -> list[str]` (features it cannot express, checked
-before exporting) and `translate(q, k, v, k_cache, v_cache, positions, scale, window, softcap)`, an
-onnxscript translation of `kvedge::cached_attention` returning (out, present_key, present_value).
-A lowering that can hold an int8 KV cache also has `unsupported_kv(kv_dtype) -> list[str]`; the others
-refuse one (kv_cache_refusals).
+Each module declares one `Lowering` below; every field the exporter, the runtime or the CLI reads is a field
+here, with its default. Adding a lowering: a module with its `LOWERING`, its name in `_load`, and its cases
+in the tests (docs/adding-a-backend.md says where).
 """
 
 from __future__ import annotations
 
-from types import ModuleType
+from dataclasses import dataclass
+from typing import Callable
 
 from kvedge.errors import KvedgeError
-from kvedge.export.lowerings import decomposed, onnx_std, ort_gqa, trt_plugin
-
-LOWERINGS: dict[str, ModuleType] = {m.NAME: m for m in (onnx_std, ort_gqa, decomposed, trt_plugin)}
-# the lowerings ONNX Runtime can run (and so verify after export)
-ORT_LOWERINGS = [n for n, m in LOWERINGS.items() if getattr(m, "RUNS_ON_ONNXRUNTIME", True)]
+from kvedge.models.config import ModelConfig
 
 
-def get(name: str) -> ModuleType:
+def _nothing(_) -> list[str]:
+    return []
+
+
+@dataclass(frozen=True)
+class Lowering:
+    name: str
+    opset: int
+    summary: str  # one line for `kvedge export --help`
+    # onnxscript translation of kvedge::cached_attention(q, k, v, k_cache, v_cache, positions, scale, window,
+    # softcap, cos, sin[, k_scale, v_scale]) -> (out, present_key, present_value)
+    translate: Callable
+    unsupported: Callable[[ModelConfig], list[str]] = _nothing  # model features it cannot express
+    # quantized linears: kvedge::qlinear's translation, and why a bit width cannot be exported ([] if it can)
+    translate_qlinear: Callable | None = None
+    unsupported_quant: Callable[[int], list[str]] = _nothing
+    int8_cache: bool = False  # it can hold an int8 KV cache (scales as graph initializers)
+    finalize: Callable | None = None  # its own rewrite of the traced ModelProto, in place
+    runs_on_onnxruntime: bool = True  # export verifies the graph on ONNX Runtime's CPU provider
+    min_onnxruntime: tuple[int, int] | None = None  # the oldest ONNX Runtime that runs its graphs
+    plugins: tuple[str, ...] = ()  # custom ops a runtime must register before parsing (sidecar "plugins")
+
+    def kv_refusals(self, kv_dtype: str | None) -> list[str]:
+        """Why this lowering cannot export a `kv_dtype` cache ([] if it can). A float cache of the model's dtype
+        is every lowering's. decomposed and onnx could dequantize an int8 one with DequantizeLinear, but their
+        write (QuantizeLinear divides by the scale; GroupQueryAttention and the reference multiply by its
+        reciprocal) would differ from the reference in the last bit: not written yet."""
+        if kv_dtype != "int8" or self.int8_cache:
+            return []
+        return [f"no int8 KV cache in the {self.name!r} lowering (its attention reads a float cache); "
+                "use --attention ort, whose GroupQueryAttention quantizes the cache per channel"]
+
+
+def _load() -> dict[str, Lowering]:
+    from kvedge.export.lowerings import decomposed, onnx_std, ort_gqa, trt
+
+    return {m.LOWERING.name: m.LOWERING for m in (onnx_std, ort_gqa, decomposed, trt)}
+
+
+LOWERINGS: dict[str, Lowering] = _load()
+ORT_LOWERINGS = [n for n, low in LOWERINGS.items() if low.runs_on_onnxruntime]  # export can verify these
+
+
+def get(name: str) -> Lowering:
     try:
         return LOWERINGS[name]
     except KeyError:
         raise KvedgeError(f"unknown attention lowering {name!r}; choose one of {', '.join(LOWERINGS)}") from None
-
-
-def kv_cache_refusals(low: ModuleType, kv_dtype: str | None) -> list[str]:
-    """Why `low` cannot export a `kv_dtype` cache ([] if it can). A float cache of the model's dtype is every
-    lowering's; int8 only a lowering's with `unsupported_kv`. decomposed and onnx could dequantize with
-    DequantizeLinear, but their write (QuantizeLinear divides by the scale; GroupQueryAttention and the
-    reference multiply by its reciprocal) would differ from the reference in the last bit: not written yet."""
-    if kv_dtype != "int8":
-        return []
-    check = getattr(low, "unsupported_kv", None)
-    if check is None:
-        return [f"no int8 KV cache in the {low.NAME!r} lowering (its attention reads a float cache); "
-                "use --attention ort, whose GroupQueryAttention quantizes the cache per channel"]
-    return check(kv_dtype)

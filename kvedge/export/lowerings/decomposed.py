@@ -10,23 +10,14 @@ from __future__ import annotations
 import numpy as np
 from onnxscript import opset18 as op
 
+from kvedge.export.lowerings import Lowering
 from kvedge.export.lowerings._common import const, fconst, kv_len, live, rope, visible
-from kvedge.models.config import ModelConfig
-
-NAME = "decomposed"
-OPSET = 17
-
-
-def unsupported(cfg: ModelConfig) -> list[str]:
-    return []  # expresses every feature of the Decoder
 
 
 def unsupported_quant(bits: int) -> list[str]:
     return ["quantized weights need DequantizeLinear with block_size (opset 21) or MatMulNBits; opset 17 has "
             "neither: use --attention onnx (INT8) or ort"]
 
-
-translate_qlinear = None
 
 def translate(q, k, v, k_cache, v_cache, positions, scale: float, window: int, softcap: float, cos=None, sin=None):
     hq, d = q.shape[1], q.shape[3]
@@ -50,3 +41,7 @@ def translate(q, k, v, k_cache, v_cache, positions, scale: float, window: int, s
     probs = op.CastLike(op.Softmax(scores, axis=-1), q)
     out = op.Reshape(op.MatMul(probs, values), const([0, hq, -1, d]))
     return out, present_k, present_v
+
+
+LOWERING = Lowering("decomposed", 17, "opset 17 MatMul/Softmax/Where, for TensorRT 8.6-10.14 and any runtime",
+                    translate, unsupported_quant=unsupported_quant)  # expresses every feature of the Decoder

@@ -13,11 +13,11 @@ from __future__ import annotations
 from onnxscript import opset18 as op
 from onnxscript.values import Opset
 
+from kvedge.export.lowerings import Lowering
 from kvedge.export.lowerings._common import const, drop_unused, kv_len, live, rope, visible
 from kvedge.models.config import ModelConfig
+from kvedge.models.quant import unpack4
 
-NAME = "onnx"
-OPSET = 24
 op24 = Opset("", 24)
 
 
@@ -75,8 +75,7 @@ def dq_initializers(qweight, scales, zeros, bits: int, k: int):
     q, z = np.asarray(qweight, dtype=np.uint8), np.asarray(zeros, dtype=np.uint8)
     n, nb = q.shape[0], q.shape[1]
     if bits == 4:
-        q = np.stack((q & 0x0F, q >> 4), axis=-1).reshape(n, -1)[:, :k]
-        z = np.stack((z & 0x0F, z >> 4), axis=-1).reshape(n, -1)[:, :nb]
+        q, z = unpack4(q.reshape(n, -1), k), unpack4(z.reshape(n, -1), nb)
     w, s, z = q.reshape(n, k).T, np.asarray(scales).reshape(n, nb).T.copy(), z.reshape(n, nb).T
     mid = 2 ** (bits - 1)
     if np.all(z == mid):
@@ -87,12 +86,21 @@ def dq_initializers(qweight, scales, zeros, bits: int, k: int):
 
 
 def finalize(proto) -> None:
-    """Replace each BlockedWeight placeholder by DequantizeLinear over UINT8 / UINT4 initializers."""
+    """Drop the Attention nodes' trailing outputs nobody reads (its optional present / qk outputs), so runtimes
+    neither compute nor allocate them; replace each BlockedWeight placeholder by DequantizeLinear over UINT8 /
+    UINT4 initializers."""
     from onnx import helper, numpy_helper
 
     from kvedge.errors import KvedgeError
 
     graph = proto.graph
+    used = {i for n in graph.node for i in n.input} | {o.name for o in graph.output}
+    for node in graph.node:
+        if node.op_type == "Attention":
+            keep = list(node.output)
+            while len(keep) > 1 and keep[-1] not in used:
+                keep.pop()
+            del node.output[len(keep):]
     inits = {t.name: t for t in graph.initializer}
     for i, node in enumerate(list(graph.node)):  # one node replaced in place at a time
         if node.domain != PLACEHOLDER:
@@ -114,10 +122,6 @@ def finalize(proto) -> None:
     drop_unused(proto)
 
 
-def unsupported_quant(bits: int) -> list[str]:
-    return []
-
-
 def translate(q, k, v, k_cache, v_cache, positions, scale: float, window: int, softcap: float, cos=None, sin=None):
     q, k = rope(q, cos, sin, positions), rope(k, cos, sin, positions)
     start = op.Gather(positions, const(0), axis=1)  # [B]: each row's first position
@@ -128,3 +132,7 @@ def translate(q, k, v, k_cache, v_cache, positions, scale: float, window: int, s
     out = op24.Attention(q, live(present_k, length), live(present_v, length), mask, scale=scale,
                          softmax_precision=1)[0]  # the optional outputs are pruned after export
     return out, present_k, present_v
+
+
+LOWERING = Lowering("onnx", 24, "opset 24 Attention + TensorScatter: ONNX Runtime and TensorRT >= 10.15", translate,
+                    unsupported=unsupported, translate_qlinear=translate_qlinear, finalize=finalize)

@@ -12,13 +12,10 @@ from __future__ import annotations
 from onnxscript import opset18 as op
 from onnxscript.values import Opset
 
-from kvedge.export.lowerings._common import const, drop_unused, rope
-from kvedge.models.config import ModelConfig
+from kvedge.export.lowerings import Lowering
+from kvedge.export.lowerings._common import const, rope
 
-NAME = "ort"
-OPSET = 21
 DOMAIN = "com.microsoft"
-MIN_ONNXRUNTIME = (1, 32)  # GroupQueryAttention's query_seqlens input
 
 
 def _register_schema() -> None:
@@ -109,18 +106,6 @@ def translate_qlinear(x, qweight, scales, zeros, bits: int, k: int, accuracy_lev
                             accuracy_level=accuracy_level)
 
 
-def unsupported(cfg: ModelConfig) -> list[str]:
-    return []
-
-
-def unsupported_quant(bits: int) -> list[str]:
-    return []
-
-
-def unsupported_kv(kv_dtype: str) -> list[str]:
-    return []  # int8: GQA's quantized cache (k_scale / v_scale, PER_CHANNEL), the kvedge.models.attention semantics
-
-
 def translate(q, k, v, k_cache, v_cache, positions, scale: float, window: int, softcap: float, cos=None, sin=None,
               k_scale=None, v_scale=None):
     hq, d = q.shape[1], q.shape[3]
@@ -155,113 +140,12 @@ def translate(q, k, v, k_cache, v_cache, positions, scale: float, window: int, s
 
 
 def finalize(proto) -> None:
-    """Strip the views around GroupQueryAttention that the export leaves (the Decoder's [B, H, L, D] view
-    of q, k, v and of the output, and this lowering's views back to [B, L, H * D]):
-    - when q, k and v are the three outputs of one Split of the fused projection, GQA gets the packed
-      [B, L, (Hq + 2 Hkv) * D] tensor (it splits packed QKV itself): the Split and six Reshapes go;
-    - the output's Reshape/Transpose round trip to the o projection goes.
-    Only chains of views whose transposes cancel are touched, so the data never moves; export verifies
-    the result against PyTorch like any other graph."""
-    graph = proto.graph
-    producer = {o: n for n in graph.node for o in n.output}
-    users: dict[str, list] = {}
-    for n in graph.node:
-        for i in n.input:
-            users.setdefault(i, []).append(n)
-    outputs = {o.name for o in graph.output}
+    from kvedge.export.lowerings import ort_fusions
 
-    def walk(name, backward: bool):
-        """Follow single-use Reshape/Transpose nodes from value `name`; returns the value reached, or None
-        when the transposes on the way do not cancel (or a reshape sits between ones that do not)."""
-        perm = None
-        while True:
-            if backward:
-                n = producer.get(name)
-            else:
-                n = users[name][0] if users.get(name) and name not in outputs else None
-            if (n is None or n.op_type not in ("Reshape", "Transpose") or len(users.get(name, [])) != 1
-                    or (not backward and n.input[0] != name)):  # forward: `name` must be the data, not a shape
-                break
-            if n.op_type == "Transpose":
-                p = list(next(a.ints for a in n.attribute if a.name == "perm"))
-                perm = p if perm is None else [p[i] for i in perm] if backward else [perm[i] for i in p]
-            elif perm is not None and perm != sorted(perm):
-                return None
-            name = n.input[0] if backward else n.output[0]
-        return name if perm is None or perm == sorted(perm) else None
-
-    for node in [n for n in graph.node if n.op_type == "GroupQueryAttention" and n.domain == DOMAIN]:
-        ends = [walk(i, backward=True) for i in node.input[:3]]
-        split = producer.get(ends[0]) if ends[0] else None
-        if (split is not None and split.op_type == "Split" and list(split.output) == ends
-                and next((a.i for a in split.attribute if a.name == "axis"), 0) in (-1, 2)):
-            node.input[0], node.input[1], node.input[2] = split.input[0], "", ""
-        end = walk(node.output[0], backward=False)
-        if end is not None and end != node.output[0]:
-            for user in users.get(end, []):
-                user.input[list(user.input).index(end)] = node.output[0]
-    _fuse_skip_rms_norm(graph, producer, users)
-    _drop_midpoint_zero_points(graph)
-    drop_unused(proto)
+    ort_fusions.fuse(proto)
 
 
-def _drop_midpoint_zero_points(graph) -> None:
-    """MatMulNBits whose zero points are all the midpoint 2^(bits-1) (--symmetric) loses its zero-point
-    input: that is the op's default, and its kernel skips the per-group zero point then (faster)."""
-    import numpy as np
-    from onnx import numpy_helper
-
-    inits = {t.name: t for t in graph.initializer}
-    for n in graph.node:
-        if n.op_type != "MatMulNBits" or len(n.input) < 4 or n.input[3] not in inits:
-            continue
-        a = {x.name: x.i for x in n.attribute}
-        z = numpy_helper.to_array(inits[n.input[3]]).reshape(a["N"], -1)
-        if a["bits"] == 4:  # two a byte, low nibble first; an odd count leaves a padding nibble
-            z = np.stack((z & 0x0F, z >> 4), axis=-1).reshape(a["N"], -1)[:, :a["K"] // a["block_size"]]
-        if (z == 2 ** (a["bits"] - 1)).all():
-            if len(n.input) == 4:
-                del n.input[3]
-            else:
-                n.input[3] = ""
-
-
-def _fuse_skip_rms_norm(graph, producer, users) -> None:
-    """Residual Add + the Decoder's RMSNorm (x / Sqrt(ReduceMean(x^2, -1) + eps) * w, float32) ->
-    one SkipSimplifiedLayerNormalization (ONNX Runtime contrib op) whose 4th output is the sum the next
-    residual Add reads. ONNX Runtime fuses the norm alone, not the Add before it."""
-    import numpy as np
-    from onnx import helper, numpy_helper
-
-    consts = {t.name: numpy_helper.to_array(t) for t in graph.initializer}
-    consts.update({n.output[0]: numpy_helper.to_array(n.attribute[0].t) for n in graph.node
-                   if n.op_type == "Constant" and n.attribute and n.attribute[0].name == "value"})
-
-    def one(name, op_type):
-        n = producer.get(name)
-        return n if n is not None and n.op_type == op_type and len(users.get(name, [])) == 1 else None
-
-    for div in [n for n in graph.node if n.op_type == "Div"]:
-        x = div.input[0]
-        sqrt = one(div.input[1], "Sqrt")
-        add_eps = sqrt and one(sqrt.input[0], "Add")
-        mean = add_eps and one(add_eps.input[0], "ReduceMean")
-        pow_ = mean and one(mean.input[0], "Pow")
-        residual = producer.get(x)
-        muls = users.get(div.output[0], [])
-        if not (pow_ and pow_.input[0] == x and residual is not None and residual.op_type == "Add"
-                and len(muls) == 1 and muls[0].op_type == "Mul"):
-            continue
-        mul = muls[0]
-        weight = next((i for i in mul.input if i != div.output[0]), None)
-        eps, two, axes = (consts.get(v) for v in (add_eps.input[1], pow_.input[1], mean.input[1]))
-        if (weight not in consts or consts[weight].ndim != 1 or eps is None or eps.size != 1 or two is None
-                or float(two) != 2.0 or axes is None or [int(a) for a in axes.reshape(-1)] != [-1]
-                or {u.op_type for u in users[x]} - {"Pow", "Div", "Add"}):
-            continue
-        fused = helper.make_node("SkipSimplifiedLayerNormalization", [*residual.input, weight],
-                                 [mul.output[0], "", "", x], domain=DOMAIN, epsilon=float(eps),
-                                 name=f"{mul.name or mul.output[0]}/SkipRMSNorm")
-        graph.node.insert(list(graph.node).index(residual), fused)
-        for n in (residual, pow_, mean, add_eps, sqrt, div, mul):
-            graph.node.remove(n)
+# int8 cache: GQA's quantized cache (k_scale / v_scale, PER_CHANNEL), the kvedge.models.attention semantics
+LOWERING = Lowering("ort", 21, "com.microsoft.GroupQueryAttention: the fastest on ONNX Runtime CPU (the default)",
+                    translate, translate_qlinear=translate_qlinear, int8_cache=True, finalize=finalize,
+                    min_onnxruntime=(1, 32))  # GroupQueryAttention's query_seqlens input

@@ -20,6 +20,7 @@
  * prefetched ahead: decode reads every weight once per token, so it is a stream.
  */
 #include <math.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -35,11 +36,11 @@
 int kv_simd(void) { return KV_AVX2; } /* which kernels this build has: 1 AVX2, 0 portable C */
 
 #define SB 32 /* input channels per sub-block */
-/* Weights are fetched this far ahead into L2 (prefetcht1): on a 2-core Xeon (2026-12-02) int8 decode is
- * ~1.15x faster than fetching 4 KiB ahead into L1, int4 alike; without prefetching decode is 1.4x slower. */
+/* Weights are fetched this far ahead into L2 (prefetcht1): faster than 4 KiB ahead into L1, and far faster
+ * than no software prefetch (docs/benchmarks.md). */
 #define PREFETCH_BYTES 16384
 /* An asm statement on x86: GCC may delete a loop of nothing but __builtin_prefetch as dead code, and did
- * here once the stride was inlined (int8 decode 1.5x slower). */
+ * here once the stride was inlined. */
 #if defined(__x86_64__) || defined(__i386__)
 #define PREFETCH_L2(p) __asm__ volatile("prefetcht1 %0" : : "m"(*(const char *)(p)))
 #else
@@ -173,7 +174,7 @@ static inline float hsum_f32(__m256 v) {
  * sub-blocks makes two weight vectors, A and B, whose lanes 0-3 hold the first sub-block's and 4-7 the
  * second's: 4 bits, the low and the high nibbles of 32 bytes; 8 bits, the first and the second 16 bytes
  * of each. So one vector of sums covers two sub-blocks and 3 horizontal adds reduce eight, for either
- * width; (8 bits converting and scaling every sub-block's own 8 lanes instead was 1.3x slower). */
+ * width (8 bits converting and scaling every sub-block's own 8 lanes instead was slower). */
 static inline __attribute__((always_inline)) void chunk_sums(const int bits, const int rm, const uint8_t *q,
                                                              const int8_t *const *a, size_t off, const int have,
                                                              __m256i *r) {
@@ -470,6 +471,39 @@ typedef struct {
     kv_layer *layers;
 } kv_model;
 
+/* The layout of kv_linear, kv_layer and kv_model for the Python side, which mirrors them as ctypes structs and
+ * checks the mirrors against this at every load (native_backend.check_layout): entry i names a struct
+ * ("kv_linear": offset 0, its sizeof) or one of its fields ("kv_linear.n": offsetof, sizeof), fields in
+ * declaration order. A field added to a struct goes here too. */
+typedef struct {
+    const char *name;
+    size_t offset, size;
+} kv_layout_entry;
+#define KV_STRUCT(T) {#T, 0, sizeof(T)}
+#define KV_FIELD(T, f) {#T "." #f, offsetof(T, f), sizeof(((T *)0)->f)}
+#define LIN(f) KV_FIELD(kv_linear, f)
+#define LAY(f) KV_FIELD(kv_layer, f)
+#define MOD(f) KV_FIELD(kv_model, f)
+static const kv_layout_entry kv_layout_table[] = {
+    KV_STRUCT(kv_linear), LIN(n), LIN(k), LIN(bits), LIN(sym), LIN(zsym), LIN(q), LIN(s), LIN(z), LIN(w), LIN(bias),
+    KV_STRUCT(kv_layer), LAY(attn_norm), LAY(mlp_norm), LAY(q_norm), LAY(k_norm), LAY(post_attn_norm),
+    LAY(post_mlp_norm), LAY(qkv), LAY(o), LAY(up), LAY(down), LAY(window), LAY(k_cache), LAY(v_cache), LAY(k_scale),
+    LAY(v_scale), LAY(k_inv), LAY(v_inv),
+    KV_STRUCT(kv_model), MOD(vocab), MOD(hidden), MOD(n_layers), MOD(hq), MOD(hkv), MOD(d), MOD(inter),
+    MOD(rot_half), MOD(glu), MOD(act), MOD(unit_offset), MOD(max_batch), MOD(max_seq), MOD(eps), MOD(attn_scale),
+    MOD(attn_softcap), MOD(final_softcap), MOD(embed_scale), MOD(embed), MOD(final_norm), MOD(lm_head), MOD(cos),
+    MOD(sin), MOD(layers)};
+#undef LIN
+#undef LAY
+#undef MOD
+
+/* Entry i of the table: its name, with offset_size[0], [1] filled; NULL past the end. */
+const char *kv_layout(int i, size_t *offset_size) {
+    if (i < 0 || i >= (int)(sizeof kv_layout_table / sizeof kv_layout_table[0])) return NULL;
+    offset_size[0] = kv_layout_table[i].offset, offset_size[1] = kv_layout_table[i].size;
+    return kv_layout_table[i].name;
+}
+
 enum { ACT_SILU, ACT_GELU, ACT_GELU_TANH };
 
 static inline float activate(int act, float v) {
@@ -689,8 +723,8 @@ static void scratch_layout(const kv_model *m, int B, int L, int threads, size_t 
     for (int i = 0; i < S_END; i++) at[i + 1] = (at[i] + bytes[i] + 63) & ~(size_t)63;
 }
 
-/* Bytes of scratch kv_forward needs (the caller keeps one block and reuses it: allocating per call cost
- * prefill ~9% in the kernel's page zeroing). */
+/* Bytes of scratch kv_forward needs (the caller keeps one block and reuses it: allocating per call made the
+ * kernel zero fresh pages on every prefill). */
 size_t kv_scratch_bytes(const kv_model *m, int B, int L, int threads) {
     size_t at[S_END + 1];
     scratch_layout(m, B, L, threads, at);

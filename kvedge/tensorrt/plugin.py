@@ -29,17 +29,17 @@ from __future__ import annotations
 
 import re
 
+from kvedge.artifact import PLUGIN_ID, PLUGIN_NAMESPACE, PLUGIN_OP, PLUGIN_VERSION, Sidecar
+from kvedge.dtypes import GRAPH, TRITON
 from kvedge.errors import KvedgeError
-from kvedge.export.trt_plan import parse_version
+from kvedge.tensorrt.versions import parse_version
 
-NAMESPACE, NAME, VERSION = "kvedge", "gqa_attention", "2"
-PLUGIN_ID = f"{NAMESPACE}::{NAME}"
+NAMESPACE, NAME, VERSION = PLUGIN_NAMESPACE, PLUGIN_OP, PLUGIN_VERSION  # the op the `trt` lowering writes
 MIN_TENSORRT = (10, 7)  # tensorrt.plugin with trtp.register / trtp.impl
 AOT_TENSORRT = (10, 9)  # trtp.aot_impl: "Ahead-of-Time Compilable Python Plugins" (TensorRT 10.9.0 release notes)
-DTYPES = ("float32", "float16", "bfloat16")
+DTYPES = tuple(GRAPH.values())  # float32, float16, bfloat16
 INPUTS = ("q", "k", "v", "k_cache", "v_cache", "positions", "cos", "sin")
 ALIASES = {1: 3, 2: 4}  # output index -> the input index it aliases
-TRITON_TYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "int32": "i32", "int64": "i64"}
 NUM_WARPS = 4
 
 
@@ -86,7 +86,7 @@ def output_dtypes(q, k, v, k_cache, v_cache, positions, cos, sin) -> list[str]:
 def aot_signature(dtype: str, positions: str, tables: str) -> dict[str, str]:
     """The AOT kernel's runtime parameters with their Triton types, in launch order: the plugin's
     inputs, the scalar L, then its outputs (out, present_key, present_value)."""
-    t, p, c = TRITON_TYPES[dtype], TRITON_TYPES[positions], TRITON_TYPES[tables]
+    t, p, c = TRITON[dtype], TRITON[positions], TRITON[tables]
     return {"q": f"*{t}", "k": f"*{t}", "v": f"*{t}", "kc": f"*{t}", "vc": f"*{t}", "positions": f"*{p}",
             "cos": f"*{c}", "sin": f"*{c}", "L": "i32", "out": f"*{t}", "kc_out": f"*{t}", "vc_out": f"*{t}"}
 
@@ -198,3 +198,12 @@ def register() -> str:
                                        softcap=softcap or None, rope=rope))
     _registered = mode
     return mode
+
+
+def register_plugins(sc: Sidecar) -> None:
+    """Register every plugin the export's graph names (its sidecar's "plugins") before TensorRT parses or
+    deserializes it; refuses one kvedge does not provide."""
+    for op in sc.plugins:
+        if op != PLUGIN_ID:
+            raise KvedgeError(f"the export needs the TensorRT plugin {op!r}, which kvedge does not provide")
+        register()

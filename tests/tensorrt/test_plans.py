@@ -6,8 +6,9 @@ import pytest
 
 from kvedge.cli import main
 from kvedge.errors import KvedgeError
-from kvedge.export.trt_plan import buffer_plan, profiles, select_path
-from kvedge.export.trt_support import check
+from kvedge.tensorrt.buffers import buffer_plan, profiles
+from kvedge.tensorrt.versions import select_path
+from kvedge.tensorrt.check import check
 from tests.conftest import MAX_SEQ
 
 VERSIONS = ["8.6", "10.3", "10.15", "11.0"]
@@ -92,6 +93,21 @@ def test_buffer_plan_in_place_and_double_buffered(exported):
     assert pairs[0].binds == ("past_key.0", "present_key.0") and pairs[1].binds == ("present_key.0", "past_key.0")
     logits = next(b for b in inplace if b.name == "logits")
     assert logits.bytes == 3 * cfg.vocab_size * 4
+
+
+def test_a_plugin_graph_keeps_its_cache_in_place_on_every_version(exported):
+    """The `trt` lowering's plugin outputs alias its cache inputs (TensorDesc.aliased()), so its caches are one
+    buffer each on 10.7-10.14 too: the plan, which the TensorRT backend binds by name, says so. (The backend
+    once looked up `past_key.0` where the plan had made only `past_key.0#A` / `#B`: a KeyError.)"""
+    from kvedge.artifact import PLUGIN_ID
+
+    _, sc = exported("llama-gqa4-llama3rope", "trt")
+    assert sc.plugins == [PLUGIN_ID] and sc.lowering == "trt"
+    for version in ("10.7", "10.9", "10.15"):
+        plan = buffer_plan(sc, select_path(version))
+        caches = [b for b in plan if b.role.startswith("cache")]
+        assert {b.role for b in caches} == {"cache-inplace"} and [b.name for b in caches] == \
+            [past for past, _ in sc.cache_pairs]
 
 
 @pytest.mark.parametrize("lowering,scheme,reason", [

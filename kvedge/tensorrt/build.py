@@ -1,7 +1,7 @@
 """`kvedge build`: an export folder -> model.engine, with TensorRT's Python API. Needs TensorRT and a GPU.
 
-Thin by design: the version gate, the profiles and the pre-flight come from kvedge.export.trt_plan
-and trt_support (tested in CI); this module only makes the TensorRT calls, per the documented API:
+Thin by design: the version gate, the profiles and the pre-flight come from kvedge.tensorrt.versions,
+buffers and check (tested in CI); this module only makes the TensorRT calls, per the documented API:
 - Builder / OnnxParser.parse_from_file (external data resolved next to the file);
 - 8.x: create_network(1 << EXPLICIT_BATCH); 10.x: create_network(0); 11.x: STRONGLY_TYPED;
 - BuilderConfig.set_memory_pool_limit(MemoryPoolType.WORKSPACE, ...), builder_optimization_level,
@@ -19,10 +19,12 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from kvedge.artifact import Sidecar
 from kvedge.errors import KvedgeError, require
-from kvedge.export.contract import Sidecar
-from kvedge.export.trt_plan import TrtPath, profiles, select_path
-from kvedge.export.trt_support import check
+from kvedge.tensorrt.buffers import profiles
+from kvedge.tensorrt.check import check
+from kvedge.tensorrt.plugin import register_plugins
+from kvedge.tensorrt.versions import TrtPath, select_path
 
 
 def _progress_monitor(trt, say):
@@ -50,7 +52,7 @@ def build(export_dir: str | Path, precision: str = "fp16", max_batch: int | None
     export_dir = Path(export_dir)
     sc = Sidecar.read(export_dir)
     path: TrtPath = select_path(trt.__version__)
-    if sc.lowering not in (path.lowering, "trt"):
+    if sc.lowering != path.lowering and not sc.plugins:  # a plugin graph builds wherever its plugin runs
         raise KvedgeError(f"TensorRT {trt.__version__} wants the {path.lowering!r} lowering; this export is "
                           f"{sc.lowering!r}: re-export with --attention {path.lowering}")
     pre = check(export_dir / sc.onnx_file, ".".join(map(str, path.version)))
@@ -60,10 +62,7 @@ def build(export_dir: str | Path, precision: str = "fp16", max_batch: int | None
         raise KvedgeError(f"TensorRT {trt.__version__} builds strongly typed networks: precision comes from the "
                           f"graph ({sc.dtype}); re-export with --dtype {precision}")
 
-    if sc.lowering == "trt":
-        from kvedge.export.trt_plugin import register
-
-        register()  # the kvedge::gqa_attention plugin must be in the registry before parsing
+    register_plugins(sc)  # a plugin must be in TensorRT's registry before the parser meets its node
     logger = trt.Logger(trt.Logger.WARNING)
     builder = trt.Builder(logger)
     flags = 0

@@ -4,13 +4,13 @@
   10.x+: create_execution_context(ExecutionContextAllocationStrategy.USER_MANAGED) and
   set_device_memory(ptr, size); 8.x: create_execution_context_without_device_memory() and
   context.device_memory = ptr.
-- Caches follow kvedge.export.trt_plan.buffer_plan: bound once with set_tensor_address; in place on
-  TensorRT >= 10.15, otherwise two buffers per cache tensor swapped after each step.
+- Caches follow kvedge.tensorrt.buffers.buffer_plan: bound once with set_tensor_address; in place on
+  TensorRT >= 10.15 and for plugin graphs, otherwise two buffers per cache tensor swapped after each step.
 - Each step: set_input_shape, set_tensor_address for the small inputs, execute_async_v3(stream).
 - Not done yet: capturing the decode step into a CUDA graph (addresses are stable only on the
   in-place path; with double buffering they alternate every step).
 - Device buffers come from a small allocator: torch CUDA tensors (default) or pycuda.
-NOT YET RUN on real TensorRT (see README's TensorRT section).
+NOT YET RUN on real TensorRT (see docs/tensorrt.md).
 """
 
 from __future__ import annotations
@@ -19,10 +19,12 @@ from pathlib import Path
 
 import torch
 
+from kvedge.artifact import TOKEN_INPUTS, Sidecar, onnx_weight_bytes
+from kvedge.dtypes import to_torch
 from kvedge.errors import KvedgeError, require
-from kvedge.export.contract import Sidecar
-from kvedge.export.trt_plan import buffer_plan, select_path
-from kvedge.models.loader import TORCH_DTYPES
+from kvedge.tensorrt.buffers import buffer_plan, in_place_cache
+from kvedge.tensorrt.plugin import register_plugins
+from kvedge.tensorrt.versions import select_path
 
 
 class TorchAllocator:
@@ -92,31 +94,28 @@ class TrtBackend:
         self.max_batch = build.get("max_batch", sc.max_batch)
         self.max_seq_len = sc.max_seq_len
         self.alloc = allocator or default_allocator()
-        if sc.lowering == "trt":
-            from kvedge.export.trt_plugin import register
-
-            register()
+        register_plugins(sc)
         self._logger = trt.Logger(trt.Logger.WARNING)
         self.engine = trt.Runtime(self._logger).deserialize_cuda_engine(engine_path.read_bytes())
         if self.engine is None:
             raise KvedgeError(f"{engine_path}: TensorRT could not deserialize it (built by another TensorRT "
                               f"version or GPU?); rebuild with `kvedge build`")
         self.contexts = self._contexts(trt)
-        dtype = TORCH_DTYPES[sc.dtype]
         shape = (self.max_batch, self.cfg.num_kv_heads, self.max_seq_len, self.cfg.head_dim)
         self._buffers = {}
         for buf in buffer_plan(sc, self.path, self.max_batch):
             if buf.role.startswith("cache"):
-                self._buffers[buf.name] = self.alloc.empty(shape, dtype)
+                self._buffers[buf.name] = self.alloc.empty(shape, to_torch(sc.cache_dtype))
+        self.in_place = in_place_cache(sc, self.path)
         self._pairs = []  # (past name, present name, [addresses]) ; swapped when double-buffered
-        for past, present in zip([i["name"] for i in sc.inputs[3:]], [o["name"] for o in sc.outputs[1:]]):
-            if self.path.in_place_cache or sc.lowering == "trt":  # the plugin's cache outputs alias
+        for past, present in sc.cache_pairs:
+            if self.in_place:
                 a = self._buffers[past][1]
                 self._pairs.append([past, present, a, a])
             else:
                 self._pairs.append([past, present, self._buffers[f"{past}#A"][1], self._buffers[f"{past}#B"][1]])
-        logits_dtype = torch.float32 if sc.outputs[0]["dtype"] == "float32" else dtype
-        self.logits = torch.empty((self.max_batch, 1, self.cfg.vocab_size), dtype=logits_dtype, device="cuda")
+        self.logits = torch.empty((self.max_batch, 1, self.cfg.vocab_size), dtype=to_torch(sc.logits_dtype),
+                                  device="cuda")
 
     def _contexts(self, trt):
         size = getattr(self.engine, "device_memory_size_v2", None) or self.engine.device_memory_size
@@ -140,6 +139,9 @@ class TrtBackend:
         for t in self.cache_tensors():
             t.zero_()
 
+    def weights_bytes(self) -> int:
+        return onnx_weight_bytes(self.dir, self.sidecar)
+
     @torch.inference_mode()
     def forward(self, input_ids, position_ids, logits_index):
         b, l = input_ids.shape
@@ -147,7 +149,7 @@ class TrtBackend:
         ids = input_ids.to("cuda", torch.int64).contiguous()
         pos = position_ids.to("cuda", torch.int64).contiguous()
         last = logits_index.to("cuda", torch.int64).contiguous()
-        for name, t in (("input_ids", ids), ("position_ids", pos), ("logits_index", last)):
+        for name, t in zip(TOKEN_INPUTS, (ids, pos, last)):
             ctx.set_input_shape(name, tuple(t.shape))
             ctx.set_tensor_address(name, t.data_ptr())
         for pair in self._pairs:
@@ -160,7 +162,12 @@ class TrtBackend:
         if not ctx.execute_async_v3(stream):
             raise KvedgeError("TensorRT execute_async_v3 failed (see its log)")
         self.alloc.synchronize()
-        if not self.path.in_place_cache:
+        if not self.in_place:
             for pair in self._pairs:  # the present buffer holds the updated cache: it is past next time
                 pair[2], pair[3] = pair[3], pair[2]
         return self.logits[:b].float().cpu()
+
+
+def open_backend(path: Path, o, export: Path | None = None) -> TrtBackend:
+    """The runtime's entry point (kvedge.runtime.backends): model.engine of the export folder `path`."""
+    return TrtBackend(path)

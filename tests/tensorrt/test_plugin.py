@@ -14,8 +14,8 @@ import onnx
 import pytest
 
 from kvedge.errors import KvedgeError
-from kvedge.export import trt_plugin
-from kvedge.export.trt_support import check
+from kvedge.tensorrt import plugin as trt_plugin
+from kvedge.tensorrt.check import check
 
 
 def test_output_shapes_and_dtypes():
@@ -67,7 +67,7 @@ def test_aot_signature_follows_the_kernel_and_the_documented_argument_order():
 AOT_COMPILE = """
 import json
 from triton.backends.compiler import GPUTarget
-from kvedge.export import trt_plugin
+from kvedge.tensorrt import plugin as trt_plugin
 name, ptx, threads, shared = trt_plugin.aot_compile(
     (None, 8, None, 80), (None, 2, 256, None), 20, "float16", "int64", "float16", 0.11, 16, 0.0,
     target=GPUTarget("cuda", 80, 32))

@@ -1,4 +1,4 @@
-"""The graph contract and its sidecar, `kvedge.json`.
+"""The artifact contract: what an export folder holds and what every later stage reads, `kvedge.json`.
 
 Every lowering's graph has the same inputs and outputs:
 
@@ -14,6 +14,8 @@ Every lowering's graph has the same inputs and outputs:
     present_value.{i}
 
 The runtime and the engine builder read names, shapes and dtypes from the sidecar; they never guess.
+This module sits between the model and everything that writes or reads an export (export, runtime,
+tensorrt): it imports kvedge.models' config only.
 """
 
 from __future__ import annotations
@@ -26,36 +28,49 @@ from pathlib import Path
 from typing import Any
 
 from kvedge import __version__
+from kvedge.dtypes import graph_name
 from kvedge.errors import KvedgeError
 from kvedge.models.config import ModelConfig
 
 SIDECAR = "kvedge.json"
 FORMAT = 1
-ONNX_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
+TOKEN_INPUTS = ("input_ids", "position_ids", "logits_index")  # every graph's first inputs, in this order
+# The kvedge fused-attention plugin op the `trt` lowering writes and TensorRT's registry must hold.
+PLUGIN_NAMESPACE, PLUGIN_OP, PLUGIN_VERSION = "kvedge", "gqa_attention", "2"
+PLUGIN_ID = f"{PLUGIN_NAMESPACE}::{PLUGIN_OP}"
+
+
+def cache_pairs(num_layers: int) -> list[tuple[str, str]]:
+    """(past input, present output) per cache tensor, in graph order: k0, v0, k1, v1, ..."""
+    return [(f"past_{kind}.{i}", f"present_{kind}.{i}") for i in range(num_layers) for kind in ("key", "value")]
 
 
 def input_names(num_layers: int) -> list[str]:
-    return ["input_ids", "position_ids", "logits_index"] + [
-        f"past_{kind}.{i}" for i in range(num_layers) for kind in ("key", "value")]
+    return list(TOKEN_INPUTS) + [past for past, _ in cache_pairs(num_layers)]
 
 
 def output_names(num_layers: int) -> list[str]:
-    return ["logits"] + [f"present_{kind}.{i}" for i in range(num_layers) for kind in ("key", "value")]
+    return ["logits"] + [present for _, present in cache_pairs(num_layers)]
 
 
-def io_spec(cfg: ModelConfig, dtype: str, max_seq_len: int, logits_dtype: str,
-            kv_dtype: str | None = None) -> tuple[list, list]:
+def logits_dtype(dtype: str) -> str:
+    """The logits' graph dtype for a model of `dtype`: float32 stays float32, else the model's own."""
+    return graph_name(dtype)
+
+
+def io_spec(cfg: ModelConfig, dtype: str, max_seq_len: int, kv_dtype: str | None = None) -> tuple[list, list]:
     """(inputs, outputs) as [{"name", "dtype", "shape"}], dynamic axes named 'batch' and 'seq'. The cache has
     the model's dtype, or kv_dtype "int8"."""
-    cache = {"dtype": "int8" if kv_dtype == "int8" else ONNX_DTYPES[dtype],
+    cache = {"dtype": "int8" if kv_dtype == "int8" else graph_name(dtype),
              "shape": ["batch", cfg.num_kv_heads, max_seq_len, cfg.head_dim]}
+    pairs = cache_pairs(cfg.num_layers)
     inputs = [
         {"name": "input_ids", "dtype": "int64", "shape": ["batch", "seq"]},
         {"name": "position_ids", "dtype": "int64", "shape": ["batch", "seq"]},
         {"name": "logits_index", "dtype": "int64", "shape": ["batch"]},
-    ] + [{"name": n, **cache} for n in input_names(cfg.num_layers)[3:]]
-    outputs = [{"name": "logits", "dtype": logits_dtype, "shape": ["batch", 1, cfg.vocab_size]}] + [
-        {"name": n, **cache} for n in output_names(cfg.num_layers)[1:]]
+    ] + [{"name": past, **cache} for past, _ in pairs]
+    outputs = [{"name": "logits", "dtype": logits_dtype(dtype), "shape": ["batch", 1, cfg.vocab_size]}] + [
+        {"name": present, **cache} for _, present in pairs]
     return inputs, outputs
 
 
@@ -86,11 +101,21 @@ class Sidecar:
     format: int = FORMAT
     extra: dict[str, Any] = field(default_factory=dict)
     cache: dict[str, Any] = field(default_factory=dict)  # the cache's dtype and, for int8, its scales
+    plugins: list[str] = field(default_factory=list)  # custom ops a runtime registers before it parses the graph
+    requires: dict[str, str] = field(default_factory=dict)  # package -> the oldest version that runs the graph
 
     @property
     def cache_dtype(self) -> str:
         """The past/present tensors' dtype as the graph declares it ("float32", "float16", "int8", ...)."""
-        return self.inputs[3]["dtype"]
+        return self.inputs[len(TOKEN_INPUTS)]["dtype"]
+
+    @property
+    def logits_dtype(self) -> str:
+        return self.outputs[0]["dtype"]
+
+    @property
+    def cache_pairs(self) -> list[tuple[str, str]]:
+        return cache_pairs(self.model.num_layers)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -99,8 +124,8 @@ class Sidecar:
             "max_batch": self.max_batch, "onnx_file": self.onnx_file, "external_data": self.external_data,
             "cache": {"layout": "[batch, kv_heads, max_seq_len, head_dim]", "present_aliases_past": True,
                       **self.cache},
-            "inputs": self.inputs, "outputs": self.outputs, "verification": self.verification,
-            "model": self.model.to_dict(), **self.extra,
+            "inputs": self.inputs, "outputs": self.outputs, "plugins": self.plugins, "requires": self.requires,
+            "verification": self.verification, "model": self.model.to_dict(), **self.extra,
         }
 
     def write(self, out_dir: str | Path) -> Path:
@@ -129,11 +154,36 @@ class Sidecar:
             raise KvedgeError(f"{path}: written by kvedge {d.get('kvedge_version')!r}, which this kvedge "
                               f"({__version__}) cannot read; re-export with kvedge {__version__}")
         known = {"format", "kvedge_version", "lowering", "dtype", "opset", "max_seq_len", "max_batch",
-                 "onnx_file", "external_data", "inputs", "outputs", "verification", "model", "cache"}
+                 "onnx_file", "external_data", "inputs", "outputs", "verification", "model", "cache", "plugins",
+                 "requires"}
         return cls(model=ModelConfig.from_dict(d["model"]), lowering=d["lowering"], dtype=d["dtype"],
                    opset=d["opset"], max_seq_len=d["max_seq_len"], max_batch=d["max_batch"],
                    inputs=d["inputs"], outputs=d["outputs"], onnx_file=d["onnx_file"],
                    external_data=d.get("external_data"), verification=d.get("verification"),
-                   kvedge_version=d["kvedge_version"], format=d["format"],
+                   kvedge_version=d["kvedge_version"], format=d["format"], plugins=list(d.get("plugins", [])),
+                   requires=dict(d.get("requires", {})),
                    extra={k: v for k, v in d.items() if k not in known},
                    cache={k: v for k, v in d.get("cache", {}).items() if k not in ("layout", "present_aliases_past")})
+
+
+def older(version: str, than: str) -> bool:
+    """Whether MAJOR.MINOR of `version` is before `than`'s."""
+    def key(v: str) -> tuple[int, ...]:
+        return tuple(int(x) for x in v.split(".")[:2])
+
+    return key(version) < key(than)
+
+
+def onnx_weight_bytes(export_dir: str | Path, sc: Sidecar) -> int:
+    """Bytes of the graph's initializers (the weights an ONNX runtime loads)."""
+    import onnx
+    from onnx import helper
+
+    model = onnx.load(str(Path(export_dir) / sc.onnx_file), load_external_data=False)
+    total = 0
+    for t in model.graph.initializer:
+        n = 1
+        for d in t.dims:
+            n *= d
+        total += n * helper.tensor_dtype_to_np_dtype(t.data_type).itemsize
+    return total

@@ -15,9 +15,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvedge.dtypes import ONNX_ENUM
 from kvedge.errors import KvedgeError
-from kvedge.export import trt_plugin
-from kvedge.export.trt_plan import parse_version
+from kvedge.tensorrt import plugin as trt_plugin
+from kvedge.tensorrt.versions import parse_version
 
 MAX_OPSET = {(8, 6): 17, (10, 0): 20, (10, 9): 22, (10, 13): 24, (11, 0): 24}
 
@@ -43,8 +44,6 @@ LATER_OPS = {
 # ONNX tensor dtypes: first TensorRT release that builds with them.
 DTYPE_SINCE = {1: (8, 6), 10: (8, 6), 6: (8, 6), 7: (8, 6), 9: (8, 6), 2: (8, 6), 3: (8, 6),
                16: (10, 0), 17: (10, 0), 22: (10, 0)}  # float, fp16, int32, int64, bool, uint8, int8, bf16, fp8, int4
-DTYPE_NAMES = {1: "float32", 10: "float16", 6: "int32", 7: "int64", 9: "bool", 2: "uint8", 3: "int8", 16: "bfloat16",
-               17: "float8e4m3", 22: "int4", 11: "float64", 21: "uint4"}
 PLUGINS = {  # custom-domain op -> what provides it
     ("com.microsoft", "GroupQueryAttention"): "ONNX Runtime's contrib op: no TensorRT implementation; "
                                               "re-export with --attention onnx or decomposed",
@@ -124,7 +123,7 @@ def check(model_path: str | Path, trt_version: str, dynamic_axes: tuple[str, ...
                 how = ("ahead of time: its Triton kernel compiled to PTX and embedded in the engine" if aot else
                        f"just in time: Python launches its kernels at run time (ahead of time needs TensorRT >= "
                        f"{KVEDGE_PLUGIN[3][0]}.{KVEDGE_PLUGIN[3][1]})")
-                reg = f"registered by `kvedge build` (kvedge.export.trt_plugin.register()), {how}"
+                reg = f"registered by `kvedge build` (kvedge.tensorrt.plugin.register()), {how}"
                 need = f"needs TensorRT >= {KVEDGE_PLUGIN[2][0]}.{KVEDGE_PLUGIN[2][1]} (tensorrt.plugin)"
                 rep.findings.append(Finding("plugin", f"{key[0]}::{key[1]} is kvedge's fused-attention plugin: "
                                             + (reg if ok else need), blocking=not ok))
@@ -157,7 +156,7 @@ def check(model_path: str | Path, trt_version: str, dynamic_axes: tuple[str, ...
     dtypes |= {vi.type.tensor_type.elem_type for vi in list(model.graph.input) + list(model.graph.output)}
     for dt in sorted(dtypes - {0}):
         since = DTYPE_SINCE.get(dt)
-        name = DTYPE_NAMES.get(dt, f"onnx dtype {dt}")
+        name = ONNX_ENUM.get(dt, f"onnx dtype {dt}")
         if since is None:
             rep.findings.append(Finding("dtype", f"{name} tensors are not supported by TensorRT"))
         elif v < since:
@@ -196,7 +195,7 @@ def quantization_findings(model, v: tuple[int, int]) -> list[Finding]:
                    "(symmetric only), so no TensorRT builds this graph: export with --symmetric, or run it on "
                    "ONNX Runtime")
         elif form is None:
-            msg = f"DequantizeLinear of {DTYPE_NAMES.get(x.data_type, x.data_type)} weights: not a TensorRT " \
+            msg = f"DequantizeLinear of {ONNX_ENUM.get(x.data_type, x.data_type)} weights: not a TensorRT " \
                   "quantized type"
         elif v < (since := form["blocked_since"] if block else form["since"]):
             msg = (f"{'blocked ' if block else ''}{form['name']} DequantizeLinear needs TensorRT >= "

@@ -1,4 +1,4 @@
-"""`trt`: one kvedge::gqa_attention plugin node per layer (kvedge.export.trt_plugin), for TensorRT.
+"""`trt`: one kvedge::gqa_attention plugin node per layer (kvedge.tensorrt.plugin), for TensorRT.
 
 TensorRT's ONNX parser builds an unknown op from the plugin registry by its op type, with the
 `plugin_namespace` and `plugin_version` attributes. The graph runs only inside TensorRT with the
@@ -12,24 +12,21 @@ from __future__ import annotations
 from onnxscript import opset18 as op
 from onnxscript.values import Opset
 
-from kvedge.export import trt_plugin
+from kvedge.artifact import PLUGIN_ID, PLUGIN_NAMESPACE, PLUGIN_OP, PLUGIN_VERSION
+from kvedge.export.lowerings import Lowering
 from kvedge.export.lowerings._common import const
 from kvedge.models.config import ModelConfig
-
-NAME = "trt"
-OPSET = 17
-RUNS_ON_ONNXRUNTIME = False
 
 
 def _register_schema() -> None:
     from onnx import defs
 
-    if defs.has(trt_plugin.NAME, trt_plugin.NAMESPACE):
+    if defs.has(PLUGIN_OP, PLUGIN_NAMESPACE):
         return
     P, A = defs.OpSchema.FormalParameter, defs.OpSchema.Attribute
     T = defs.OpSchema.AttrType
     defs.register_schema(defs.OpSchema(
-        trt_plugin.NAME, trt_plugin.NAMESPACE, 1,
+        PLUGIN_OP, PLUGIN_NAMESPACE, 1,
         inputs=[P("q", "T"), P("k", "T"), P("v", "T"), P("k_cache", "T"), P("v_cache", "T"), P("positions", "I"),
                 P("cos", "R"), P("sin", "R")],
         outputs=[P("out", "T"), P("present_key", "T"), P("present_value", "T")],
@@ -43,7 +40,7 @@ def _register_schema() -> None:
 
 
 _register_schema()
-kvedge_ops = Opset(trt_plugin.NAMESPACE, 1)
+kvedge_ops = Opset(PLUGIN_NAMESPACE, 1)
 
 
 def unsupported(cfg: ModelConfig) -> list[str]:
@@ -54,12 +51,14 @@ def unsupported_quant(bits: int) -> list[str]:
     return ["quantized weights are not combined with the plugin lowering yet"]
 
 
-translate_qlinear = None
-
-
 def translate(q, k, v, k_cache, v_cache, positions, scale: float, window: int, softcap: float, cos=None, sin=None):
     if cos is None:  # no RoPE: zero-width tables, never read by the kernels
         cos = sin = op.ConstantOfShape(const([1, 0]))
-    return getattr(kvedge_ops, trt_plugin.NAME)(
+    return getattr(kvedge_ops, PLUGIN_OP)(
         q, k, v, k_cache, v_cache, positions, cos, sin, scale=scale, window=window, softcap=softcap,
-        plugin_namespace=trt_plugin.NAMESPACE, plugin_version=trt_plugin.VERSION)
+        plugin_namespace=PLUGIN_NAMESPACE, plugin_version=PLUGIN_VERSION)
+
+
+LOWERING = Lowering("trt", 17, "kvedge's fused-attention TensorRT plugin; TensorRT >= 10.7 only", translate,
+                    unsupported=unsupported, unsupported_quant=unsupported_quant, runs_on_onnxruntime=False,
+                    plugins=(PLUGIN_ID,))

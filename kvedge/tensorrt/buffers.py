@@ -1,0 +1,78 @@
+"""TensorRT plans that need no TensorRT: the two optimization profiles and the device-buffer plan.
+
+Pure Python over the sidecar, tested in CI; kvedge.tensorrt.build and kvedge.tensorrt.backend hand them
+to TensorRT.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvedge.artifact import TOKEN_INPUTS, Sidecar
+from kvedge.dtypes import nbytes
+from kvedge.errors import KvedgeError
+from kvedge.tensorrt.versions import TrtPath
+
+
+@dataclass(frozen=True)
+class Profile:
+    name: str  # "prefill" | "decode"
+    shapes: dict[str, tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]]  # input -> (min, opt, max)
+
+
+def profiles(sc: Sidecar, max_batch: int | None = None, max_prefill_len: int | None = None) -> list[Profile]:
+    """Two optimization profiles over the contract's inputs: prefill (1..max_prefill_len tokens) and
+    decode (exactly 1 token). The cache's sequence axis is fixed at max_seq_len in both."""
+    cfg = sc.model
+    b = max_batch or sc.max_batch
+    lp = max_prefill_len or min(512, sc.max_seq_len)
+    if b > sc.max_batch:
+        raise KvedgeError(f"--max-batch {b} exceeds the export's max_batch {sc.max_batch}")
+    if not 1 <= lp <= sc.max_seq_len:
+        raise KvedgeError(f"--max-prefill-len {lp} must be in [1, {sc.max_seq_len}]")
+    cache = (cfg.num_kv_heads, sc.max_seq_len, cfg.head_dim)
+    out = []
+    for name, lo, opt, hi in (("prefill", 1, max(1, lp // 2), lp), ("decode", 1, 1, 1)):
+        ids, last = ((1, lo), (b, opt), (b, hi)), ((1,), (b,), (b,))
+        shapes = dict(zip(TOKEN_INPUTS, (ids, ids, last)))
+        for past, _ in sc.cache_pairs:
+            shapes[past] = ((1, *cache), (b, *cache), (b, *cache))
+        out.append(Profile(name, shapes))
+    return out
+
+
+@dataclass(frozen=True)
+class Buffer:
+    name: str  # a graph tensor name, or "present_key.0 <-> past_key.0" for a swapped pair
+    bytes: int
+    role: str  # "cache-inplace" | "cache-double" | "io"
+    binds: tuple[str, ...]  # the graph tensors bound to this buffer
+
+
+def in_place_cache(sc: Sidecar, path: TrtPath) -> bool:
+    """Whether present shares past's buffer: TensorRT's own KV-cache update (path.in_place_cache), or a
+    plugin graph, whose plugin's cache outputs alias its cache inputs."""
+    return path.in_place_cache or bool(sc.plugins)
+
+
+def buffer_plan(sc: Sidecar, path: TrtPath, max_batch: int | None = None,
+                max_prefill_len: int | None = None) -> list[Buffer]:
+    """Device buffers the runtime allocates once. In place: one buffer per cache tensor, bound to both
+    past and present. Double-buffered: two per cache tensor, swapped after every step."""
+    cfg = sc.model
+    b = max_batch or sc.max_batch
+    lp = max_prefill_len or min(512, sc.max_seq_len)
+    cache_bytes = int(b * cfg.num_kv_heads * sc.max_seq_len * cfg.head_dim * nbytes(sc.cache_dtype))
+    plan: list[Buffer] = []
+    for past, present in sc.cache_pairs:
+        if in_place_cache(sc, path):
+            plan.append(Buffer(past, cache_bytes, "cache-inplace", (past, present)))
+        else:
+            plan.append(Buffer(f"{past}#A", cache_bytes, "cache-double", (past, present)))
+            plan.append(Buffer(f"{past}#B", cache_bytes, "cache-double", (present, past)))
+    logits_elem = nbytes(sc.logits_dtype)
+    plan += [Buffer("input_ids", b * lp * 8, "io", ("input_ids",)),
+             Buffer("position_ids", b * lp * 8, "io", ("position_ids",)),
+             Buffer("logits_index", b * 8, "io", ("logits_index",)),
+             Buffer("logits", int(b * cfg.vocab_size * logits_elem), "io", ("logits",))]
+    return plan
