@@ -1,12 +1,15 @@
 """The TensorRT backend: model.engine behind the Backend protocol. Needs TensorRT and a GPU.
 
-- One context per optimization profile (prefill, decode), sharing one device-memory block:
-  10.x+: create_execution_context(ExecutionContextAllocationStrategy.USER_MANAGED) and
-  set_device_memory(ptr, size); 8.x: create_execution_context_without_device_memory() and
-  context.device_memory = ptr.
+- One context per optimization profile (prefill, decode), sharing one device-memory block, as
+  TrtPath.user_managed_memory says: >= 10.1 create_execution_context(ExecutionContextAllocationStrategy.
+  USER_MANAGED) and set_device_memory(ptr, size) with device_memory_size_v2; 10.0 the same context and
+  context.device_memory = ptr (set_device_memory arrived in 10.1); 8.x
+  create_execution_context_without_device_memory() and context.device_memory = ptr.
 - Caches follow kvedge.tensorrt.buffers.buffer_plan: bound once with set_tensor_address; in place on
   TensorRT >= 10.15 and for plugin graphs, otherwise two buffers per cache tensor swapped after each step.
-- Each step: set_input_shape, set_tensor_address for the small inputs, execute_async_v3(stream).
+- Each step: set_input_shape, set_tensor_address for the small inputs, cast to the dtype the engine reports for
+  each (engine.get_tensor_dtype: int32 on 8.6, int64 later), execute_async_v3(stream) after that stream has
+  waited for torch's current one, where the inputs were cast.
 - Not done yet: capturing the decode step into a CUDA graph (addresses are stable only on the
   in-place path; with double buffering they alternate every step).
 - Device buffers come from a small allocator: torch CUDA tensors (default) or pycuda.
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from kvedge.artifact import TOKEN_INPUTS, Sidecar, onnx_weight_bytes
@@ -107,6 +111,9 @@ class TrtBackend:
             if buf.role.startswith("cache"):
                 self._buffers[buf.name] = self.alloc.empty(shape, to_torch(sc.cache_dtype))
         self.in_place = in_place_cache(sc, self.path)
+        # the ids' dtypes as the engine has them (int32 on 8.6: TrtPath.index_dtype), via trt.nptype (8.6-11.1)
+        self._index_dtypes = [torch.from_numpy(np.empty(0, trt.nptype(self.engine.get_tensor_dtype(name)))).dtype
+                              for name in TOKEN_INPUTS]
         self._pairs = []  # (past name, present name, [addresses]) ; swapped when double-buffered
         for past, present in sc.cache_pairs:
             if self.in_place:
@@ -118,15 +125,18 @@ class TrtBackend:
                                   device="cuda")
 
     def _contexts(self, trt):
-        size = getattr(self.engine, "device_memory_size_v2", None) or self.engine.device_memory_size
+        memory = self.path.user_managed_memory
+        size = self.engine.device_memory_size_v2 if memory == "v2" else self.engine.device_memory_size
         self._scratch = self.alloc.empty((int(size),), torch.uint8)
         contexts = []
         for profile in range(self.engine.num_optimization_profiles):
-            if self.path.user_managed_memory == "v2":
+            if memory == "legacy":
+                ctx = self.engine.create_execution_context_without_device_memory()
+            else:
                 ctx = self.engine.create_execution_context(trt.ExecutionContextAllocationStrategy.USER_MANAGED)
+            if memory == "v2":
                 ctx.set_device_memory(self._scratch[1], int(size))
             else:
-                ctx = self.engine.create_execution_context_without_device_memory()
                 ctx.device_memory = self._scratch[1]
             ctx.set_optimization_profile_async(profile, self.alloc.stream_handle())
             contexts.append(ctx)
@@ -146,10 +156,9 @@ class TrtBackend:
     def forward(self, input_ids, position_ids, logits_index):
         b, l = input_ids.shape
         ctx = self.contexts[1 if l == 1 else 0]
-        ids = input_ids.to("cuda", torch.int64).contiguous()
-        pos = position_ids.to("cuda", torch.int64).contiguous()
-        last = logits_index.to("cuda", torch.int64).contiguous()
-        for name, t in zip(TOKEN_INPUTS, (ids, pos, last)):
+        staged = [t.to("cuda", dt).contiguous() for t, dt in zip((input_ids, position_ids, logits_index),
+                                                                  self._index_dtypes)]
+        for name, t in zip(TOKEN_INPUTS, staged):
             ctx.set_input_shape(name, tuple(t.shape))
             ctx.set_tensor_address(name, t.data_ptr())
         for pair in self._pairs:
@@ -159,6 +168,7 @@ class TrtBackend:
             ctx.set_tensor_address(present, bptr)
         ctx.set_tensor_address("logits", self.logits.data_ptr())
         stream = self.alloc.stream_handle()
+        wait_for_torch(stream)
         if not ctx.execute_async_v3(stream):
             raise KvedgeError("TensorRT execute_async_v3 failed (see its log)")
         self.alloc.synchronize()
@@ -166,6 +176,12 @@ class TrtBackend:
             for pair in self._pairs:  # the present buffer holds the updated cache: it is past next time
                 pair[2], pair[3] = pair[3], pair[2]
         return self.logits[:b].float().cpu()
+
+
+def wait_for_torch(stream: int) -> None:
+    """Make the CUDA stream `stream` (TensorRT's) wait for the work queued so far on torch's current stream: the
+    step's input casts and any cache reset. Without it TensorRT may read those tensors before they are written."""
+    torch.cuda.ExternalStream(stream).wait_stream(torch.cuda.current_stream())
 
 
 def open_backend(path: Path, o, export: Path | None = None) -> TrtBackend:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvedge.artifact import TOKEN_INPUTS, Sidecar
-from kvedge.dtypes import nbytes
+from kvedge.dtypes import nbytes, to_torch
 from kvedge.errors import KvedgeError
 from kvedge.tensorrt.versions import TrtPath
 
@@ -51,7 +51,8 @@ class Buffer:
 
 def in_place_cache(sc: Sidecar, path: TrtPath) -> bool:
     """Whether present shares past's buffer: TensorRT's own KV-cache update (path.in_place_cache), or a
-    plugin graph, whose plugin's cache outputs alias its cache inputs."""
+    plugin graph, whose plugin's cache outputs alias its cache inputs (built with ALIASED_PLUGIN_IO_10_03; NVIDIA's
+    samples/python/quickly_deployable_plugins/qdp_runner.py binds such an input and output at one address)."""
     return path.in_place_cache or bool(sc.plugins)
 
 
@@ -70,9 +71,9 @@ def buffer_plan(sc: Sidecar, path: TrtPath, max_batch: int | None = None,
         else:
             plan.append(Buffer(f"{past}#A", cache_bytes, "cache-double", (past, present)))
             plan.append(Buffer(f"{past}#B", cache_bytes, "cache-double", (present, past)))
-    logits_elem = nbytes(sc.logits_dtype)
-    plan += [Buffer("input_ids", b * lp * 8, "io", ("input_ids",)),
-             Buffer("position_ids", b * lp * 8, "io", ("position_ids",)),
-             Buffer("logits_index", b * 8, "io", ("logits_index",)),
+    logits_elem, index = nbytes(sc.logits_dtype), nbytes(to_torch(path.index_dtype))  # int32 ids on 8.6
+    plan += [Buffer("input_ids", b * lp * index, "io", ("input_ids",)),
+             Buffer("position_ids", b * lp * index, "io", ("position_ids",)),
+             Buffer("logits_index", b * index, "io", ("logits_index",)),
              Buffer("logits", int(b * cfg.vocab_size * logits_elem), "io", ("logits",))]
     return plan

@@ -5,7 +5,8 @@ buffers and check (tested in CI); this module only makes the TensorRT calls, per
 - Builder / OnnxParser.parse_from_file (external data resolved next to the file);
 - 8.x: create_network(1 << EXPLICIT_BATCH); 10.x: create_network(0); 11.x: STRONGLY_TYPED;
 - BuilderConfig.set_memory_pool_limit(MemoryPoolType.WORKSPACE, ...), builder_optimization_level,
-  BuilderFlag.FP16 / BF16 only before 11 (strongly typed networks take precision from the graph);
+  set_flag / set_preview_feature as kvedge.tensorrt.versions.builder_settings says (BuilderFlag.FP16 / BF16
+  only before 11, BF16 not on 8.6; PreviewFeature.ALIASED_PLUGIN_IO_10_03 for a plugin graph);
 - create_optimization_profile().set_shape(name, min, opt, max), two profiles (prefill, decode);
 - create_timing_cache / set_timing_cache / get_timing_cache().serialize();
 - build_serialized_network; IProgressMonitor (10.0+) for progress.
@@ -21,10 +22,10 @@ from typing import Callable
 
 from kvedge.artifact import Sidecar
 from kvedge.errors import KvedgeError, require
-from kvedge.tensorrt.buffers import profiles
+from kvedge.tensorrt.buffers import in_place_cache, profiles
 from kvedge.tensorrt.check import check
 from kvedge.tensorrt.plugin import register_plugins
-from kvedge.tensorrt.versions import TrtPath, select_path
+from kvedge.tensorrt.versions import TrtPath, builder_settings, select_path
 
 
 def _progress_monitor(trt, say):
@@ -58,9 +59,7 @@ def build(export_dir: str | Path, precision: str = "fp16", max_batch: int | None
     pre = check(export_dir / sc.onnx_file, ".".join(map(str, path.version)))
     if not pre.buildable:
         raise KvedgeError("kvedge check found blocking issues:\n" + "\n".join(f"  - {f.message}" for f in pre.findings))
-    if path.strongly_typed and precision != sc.dtype:
-        raise KvedgeError(f"TensorRT {trt.__version__} builds strongly typed networks: precision comes from the "
-                          f"graph ({sc.dtype}); re-export with --dtype {precision}")
+    settings = builder_settings(path, precision, sc.dtype, bool(sc.plugins))
 
     register_plugins(sc)  # a plugin must be in TensorRT's registry before the parser meets its node
     logger = trt.Logger(trt.Logger.WARNING)
@@ -80,8 +79,10 @@ def build(export_dir: str | Path, precision: str = "fp16", max_batch: int | None
     config = builder.create_builder_config()
     config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, int(workspace_gb * 2**30))
     config.builder_optimization_level = opt_level
-    if path.precision_flags and precision in ("fp16", "bf16"):
-        config.set_flag(trt.BuilderFlag.FP16 if precision == "fp16" else trt.BuilderFlag.BF16)
+    for flag in settings["flags"]:
+        config.set_flag(getattr(trt.BuilderFlag, flag))
+    for feature in settings["preview_features"]:
+        config.set_preview_feature(getattr(trt.PreviewFeature, feature), True)
     for prof in profiles(sc, max_batch, max_prefill_len):
         p = builder.create_optimization_profile()
         for name, (lo, opt, hi) in prof.shapes.items():
@@ -108,14 +109,16 @@ def build(export_dir: str | Path, precision: str = "fp16", max_batch: int | None
 
     engine = trt.Runtime(logger).deserialize_cuda_engine(bytes(serialized))
     per_profile = {}
-    for i, prof in enumerate(("prefill", "decode")):
-        fn = getattr(engine, "get_device_memory_size_for_profile_v2", None) or \
-            getattr(engine, "get_device_memory_size_for_profile", None)
-        per_profile[prof] = int(fn(i)) if fn else int(getattr(engine, "device_memory_size_v2",
-                                                                engine.device_memory_size))
+    for i, prof in enumerate(("prefill", "decode")):  # per-profile sizes from 10.0, their _v2 from 10.1
+        if path.user_managed_memory == "v2":
+            per_profile[prof] = int(engine.get_device_memory_size_for_profile_v2(i))
+        elif path.user_managed_memory == "property":
+            per_profile[prof] = int(engine.get_device_memory_size_for_profile(i))
+        else:
+            per_profile[prof] = int(engine.device_memory_size)
     report = {"tensorrt": trt.__version__, "precision": precision, "seconds": round(seconds, 1),
               "engine_bytes": engine_path.stat().st_size, "device_memory_bytes_per_profile": per_profile,
-              "in_place_cache": path.in_place_cache, "lowering": sc.lowering}
+              "in_place_cache": in_place_cache(sc, path), "lowering": sc.lowering}
     sc.extra["engine"] = report
     sc.write(export_dir)
     return report

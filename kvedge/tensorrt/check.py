@@ -31,16 +31,25 @@ BASE_OPS = {
     "ReduceMean", "ReduceMin", "ReduceSum", "Relu", "Reshape", "ScatterElements", "ScatterND", "Shape", "Sigmoid",
     "Sign", "Sin", "Slice", "Softmax", "Split", "Sqrt", "Squeeze", "Sub", "Tanh", "Tile", "TopK", "Transpose",
     "Trilu", "Unsqueeze", "Where", "Xor", "DequantizeLinear", "QuantizeLinear",
+    "GroupNormalization",  # onnx-tensorrt docs/Changelog.md, 8.6 EA: "Added support for GroupNormalization"
 }
 # Operators added later: op -> first TensorRT release whose parser maps it.
+# Attention, TensorScatter, RotaryEmbedding, RMSNormalization: NVIDIA/TensorRT CHANGELOG.md "Parser changes" of
+# 10.14 GA ("Added support for the `Attention` operator") and 10.15 GA (the other three).
 LATER_OPS = {
     "Gelu": (10, 0),
-    "GroupNormalization": (10, 0),
-    "Attention": (10, 15),  # to the fused attention layer
+    "Attention": (10, 14),  # to the fused attention layer
     "TensorScatter": (10, 15),  # to IKVCacheUpdateLayer (in-place cache write)
     "RotaryEmbedding": (10, 15),  # to IRotaryEmbeddingLayer
     "RMSNormalization": (10, 15),
 }
+# What the parser rejects on these ops, whatever wrote the graph (onnx-tensorrt docs/operators.md, 10.15):
+# Attention: "`past_key`, `past_value` and `nonpad_kv_seqlen` inputs are unsupported. `present_key`, `present_value`
+# and `qk_matmul_output` outputs are unsupported. `qk_matmul_output_mode` and `softcap` attributes are unsupported."
+# TensorScatter: "`past_cache` and `update` must be 4D. `axis` must be -2."
+ATTENTION_INPUTS_REFUSED = {4: "past_key", 5: "past_value", 6: "nonpad_kv_seqlen"}
+ATTENTION_OUTPUTS_REFUSED = {1: "present_key", 2: "present_value", 3: "qk_matmul_output"}
+ATTENTION_ATTRS_REFUSED = ("qk_matmul_output_mode", "softcap")
 # ONNX tensor dtypes: first TensorRT release that builds with them.
 DTYPE_SINCE = {1: (8, 6), 10: (8, 6), 6: (8, 6), 7: (8, 6), 9: (8, 6), 2: (8, 6), 3: (8, 6),
                16: (10, 0), 17: (10, 0), 22: (10, 0)}  # float, fp16, int32, int64, bool, uint8, int8, bf16, fp8, int4
@@ -59,21 +68,18 @@ PLUGINS = {  # custom-domain op -> what provides it
 # (INT4: per-block scales, block sizes {64, 128}, blocked along one of the last two axes), the IDequantizeLayer
 # reference (zeroPt must be all zeros); TensorRT 10.0 release notes (parser: "Added support for INT4 quantization",
 # INT4 weight-only with block quantization); TensorRT Model Optimizer support matrix (W4A16 block-wise INT4: Ampere
-# and later; FP8: Ada and later). Blocked INT8: the 10.0/10.1 Quantize/Dequantize references list block
-# quantization for kINT4 only, the current one adds kINT8/kFP8/kFP4; kvedge did not pin the release between, so
-# it says 10.15 (erring toward no). GPUs: Jetson Orin is Ampere (sm_87), Thor is Blackwell.
+# and later; FP8: Ada and later). Blocked forms: NVIDIA/TensorRT include/NvInfer.h, IDequantizeLayer: "Block
+# dequantization is supported only for input tensors with DataType::kINT4" (release/10.0 to 10.12), "supported for
+# input types DataType::kFP4, DataType::kFP8 and DataType::kINT4" (release/10.13 to 11.1): blocked INT8 never
+# ("blocked_since": None). GPUs: Jetson Orin is Ampere (sm_87), Thor is Blackwell.
 QUANT_FORMS = {  # x dtype (ONNX) -> what TensorRT needs
-    3: {"name": "INT8", "since": (8, 6), "blocked_since": (10, 15), "block_sizes": None, "gpus": "Turing and later"},
+    3: {"name": "INT8", "since": (8, 6), "blocked_since": None, "block_sizes": None, "gpus": "Turing and later"},
     22: {"name": "INT4", "since": (10, 0), "blocked_since": (10, 0), "block_sizes": (64, 128),
          "gpus": "Ampere and later (Jetson Orin, Thor)"},
-    17: {"name": "FP8", "since": (10, 0), "blocked_since": (10, 15), "block_sizes": None,
+    17: {"name": "FP8", "since": (10, 0), "blocked_since": (10, 13), "block_sizes": None,
          "gpus": "Ada, Hopper, Blackwell (Thor); not Ampere (Orin)"},
 }
 UNSIGNED = {2: "UINT8", 21: "UINT4"}  # no TensorRT quantized type; kvedge's asymmetric quantizer stores these
-
-
-# domain, op, first TensorRT with tensorrt.plugin QDPs (JIT), first with their AOT implementation (PTX in the engine)
-KVEDGE_PLUGIN = (trt_plugin.NAMESPACE, trt_plugin.NAME, trt_plugin.MIN_TENSORRT, trt_plugin.AOT_TENSORRT)
 
 
 @dataclass
@@ -109,6 +115,8 @@ def check(model_path: str | Path, trt_version: str, dynamic_axes: tuple[str, ...
     v = parse_version(trt_version)
     model = onnx.load(str(model_path), load_external_data=False)
     rep = CheckReport(trt_version)
+    inputs = {vi.name: vi for vi in model.graph.input}
+    elem_types = {name: vi.type.tensor_type.elem_type for name, vi in inputs.items()}
     max_opset = _version_key(v, MAX_OPSET)
     opset = next((i.version for i in model.opset_import if i.domain in ("", "ai.onnx")), None)
     if opset is not None and opset > max_opset:
@@ -117,21 +125,9 @@ def check(model_path: str | Path, trt_version: str, dynamic_axes: tuple[str, ...
     seen: set[tuple[str, str]] = set()
     for node in model.graph.node:
         key = (node.domain or "", node.op_type)
-        if key == (KVEDGE_PLUGIN[0], KVEDGE_PLUGIN[1]):
+        if key == (trt_plugin.NAMESPACE, trt_plugin.NAME):
             if key not in seen:
-                ok, aot = v >= KVEDGE_PLUGIN[2], v >= KVEDGE_PLUGIN[3]
-                how = ("ahead of time: its Triton kernel compiled to PTX and embedded in the engine" if aot else
-                       f"just in time: Python launches its kernels at run time (ahead of time needs TensorRT >= "
-                       f"{KVEDGE_PLUGIN[3][0]}.{KVEDGE_PLUGIN[3][1]})")
-                reg = f"registered by `kvedge build` (kvedge.tensorrt.plugin.register()), {how}"
-                need = f"needs TensorRT >= {KVEDGE_PLUGIN[2][0]}.{KVEDGE_PLUGIN[2][1]} (tensorrt.plugin)"
-                rep.findings.append(Finding("plugin", f"{key[0]}::{key[1]} is kvedge's fused-attention plugin: "
-                                            + (reg if ok else need), blocking=not ok))
-            version = next((a.s.decode() for a in node.attribute if a.name == "plugin_version"), "")
-            if version != trt_plugin.VERSION and key not in seen:
-                rep.findings.append(Finding("plugin", f"{key[0]}::{key[1]} node {node.name!r} is plugin_version "
-                                                      f"{version!r}; this kvedge registers version "
-                                                      f"{trt_plugin.VERSION!r}: re-export with --attention trt"))
+                rep.findings += _plugin_findings(node, elem_types, trt_version)
         elif key[0] not in ("", "ai.onnx"):
             if key not in seen:
                 why = PLUGINS.get(key, "a custom op: needs its TensorRT plugin library loaded at build time")
@@ -145,11 +141,22 @@ def check(model_path: str | Path, trt_version: str, dynamic_axes: tuple[str, ...
             if key not in seen:
                 rep.findings.append(Finding("op", f"{node.op_type} is not in kvedge's TensorRT support table "
                                                   f"(node {node.name!r}); treated as unsupported"))
-        if node.op_type == "Attention" and len(node.input) > 4 and any(node.input[4:6]):
-            rep.findings.append(Finding("attribute", f"Attention node {node.name!r} has past_key/past_value inputs, "
-                                                     "which TensorRT's parser rejects"))
-        if node.op_type == "Attention" and any(a.name == "softcap" and a.f for a in node.attribute):
-            rep.findings.append(Finding("attribute", f"Attention node {node.name!r} uses softcap"))
+        if key == ("", "Attention"):
+            refused = [f"input {name}" for i, name in ATTENTION_INPUTS_REFUSED.items()
+                       if len(node.input) > i and node.input[i]]
+            refused += [f"output {name}" for i, name in ATTENTION_OUTPUTS_REFUSED.items()
+                        if len(node.output) > i and node.output[i]]
+            refused += [f"attribute {a.name}" for a in node.attribute if a.name in ATTENTION_ATTRS_REFUSED
+                        and onnx.helper.get_attribute_value(a)]
+            if refused:
+                rep.findings.append(Finding("attribute", f"Attention node {node.name!r} has {', '.join(refused)}, "
+                                                         "which TensorRT's parser does not support"))
+        if key == ("", "TensorScatter"):
+            axis = next((a.i for a in node.attribute if a.name == "axis"), -2)
+            ranks = [len(inputs[x].type.tensor_type.shape.dim) for x in node.input[:2] if x in inputs]
+            if axis != -2 or any(r != 4 for r in ranks):
+                rep.findings.append(Finding("attribute", f"TensorScatter node {node.name!r} has axis {axis} and "
+                                            f"ranks {ranks}: TensorRT's parser takes 4-D tensors and axis -2 only"))
         seen.add(key)
     rep.findings += quantization_findings(model, v)
     dtypes = {t.data_type for t in model.graph.initializer}
@@ -172,6 +179,37 @@ def check(model_path: str | Path, trt_version: str, dynamic_axes: tuple[str, ...
             elif not d.dim_param and not d.HasField("dim_value"):
                 rep.findings.append(Finding("shape", f"input {vi.name!r} axis {i} has no size and no name"))
     return rep
+
+
+def _plugin_findings(node, elem_types: dict[str, int], trt_version: str) -> list[Finding]:
+    """kvedge's own plugin node: whether TensorRT `trt_version` runs it and how, and whether its parser will find the
+    registered creator: it looks one up by (op type, plugin_version, plugin_namespace), plugin_version "1" when the
+    node has none (onnx-tensorrt FallbackPluginImporter), and a tensorrt.plugin creator is always version "1"."""
+    import onnx
+
+    name = f"{trt_plugin.NAMESPACE}::{trt_plugin.NAME}"
+    attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+    dtype = ONNX_ENUM.get(elem_types.get(node.input[3] if len(node.input) > 3 else ""), "")  # k_cache, a graph input
+    refused = trt_plugin.refusals(trt_version, dtype)
+    if refused:
+        out = [Finding("plugin", f"{name} is kvedge's fused-attention plugin: it {refused[0]}")]
+    else:
+        aot = trt_plugin.AOT_TENSORRT
+        how = ("ahead of time: its Triton kernel compiled to PTX and embedded in the engine"
+               if trt_plugin.implementation(trt_version) == "aot" else
+               f"just in time: Python launches its kernels at run time (ahead of time needs TensorRT >= "
+               f"{aot[0]}.{aot[1]})")
+        out = [Finding("plugin", f"{name} is kvedge's fused-attention plugin: registered by `kvedge build` "
+                                 f"(kvedge.tensorrt.plugin.register()), {how}", blocking=False)]
+    version = attrs.get("plugin_version", b"1").decode()
+    if version != trt_plugin.VERSION:
+        out.append(Finding("plugin", f"{name} node {node.name!r} has plugin_version {version!r}: TensorRT looks the "
+                                     f"plugin up as version {trt_plugin.VERSION!r} and would not find it; re-export "
+                                     "with --attention trt"))
+    elif attrs.get("schema") != trt_plugin.SCHEMA:
+        out.append(Finding("plugin", f"{name} node {node.name!r} is schema {attrs.get('schema')}; this kvedge's "
+                                     f"plugin is schema {trt_plugin.SCHEMA}: re-export with --attention trt"))
+    return out
 
 
 def quantization_findings(model, v: tuple[int, int]) -> list[Finding]:
@@ -197,6 +235,9 @@ def quantization_findings(model, v: tuple[int, int]) -> list[Finding]:
         elif form is None:
             msg = f"DequantizeLinear of {ONNX_ENUM.get(x.data_type, x.data_type)} weights: not a TensorRT " \
                   "quantized type"
+        elif block and form["blocked_since"] is None:
+            msg = (f"blocked {form['name']} DequantizeLinear: TensorRT's block dequantization takes FP4, FP8 and INT4 "
+                   "only, in no release (export --quantize int4, blocks of 64 or 128)")
         elif v < (since := form["blocked_since"] if block else form["since"]):
             msg = (f"{'blocked ' if block else ''}{form['name']} DequantizeLinear needs TensorRT >= "
                    f"{since[0]}.{since[1]}")

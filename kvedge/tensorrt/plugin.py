@@ -1,4 +1,4 @@
-"""The kvedge fused-attention TensorRT plugin: `kvedge::gqa_attention`, version 2.
+"""The kvedge fused-attention TensorRT plugin: `kvedge::gqa_attention` (plugin_version "1"), schema 2.
 
 One node does what kvedge::cached_attention does: rotate q and k by the RoPE tables, write the new
 K/V into the caches at each row's position and attend over them (kvedge's Triton kernels). Its two
@@ -8,8 +8,10 @@ Inputs:  q [B, Hq, L, D], k [B, Hkv, L, D], v [B, Hkv, L, D], k_cache [B, Hkv, S
          positions [B, L] int64 (or int32), cos [S_table, R], sin [S_table, R] (R = rotary_dim / 2;
          R = 0, e.g. [1, 0], for a model without RoPE: nothing is rotated and the tables are never read)
 Outputs: out [B, Hq, L, D] (q's dtype), present_key (aliases k_cache), present_value (aliases v_cache)
-Attributes: scale (float), window (int, 0 = none), softcap (float, 0 = none)
-Version 1 had no cos/sin inputs (the lowering rotated q and k with plain ONNX ops before the node).
+Attributes: scale (float), window (int, 0 = none), softcap (float, 0 = none), schema (int: kvedge's version of
+         this node; TensorRT's plugin_version is always "1" for a tensorrt.plugin creator)
+Schema 1 had no cos/sin inputs (the lowering rotated q and k with plain ONNX ops before the node). Exports from
+before the `schema` attribute wrote kvedge's schema as plugin_version "2", which no TensorRT finds: re-export.
 
 Registration uses TensorRT's Python plugin API, `tensorrt.plugin` (quickly deployable plugins):
 - TensorRT >= 10.9: ahead of time (`trtp.aot_impl`). At build time the fused one-launch Triton kernel
@@ -19,23 +21,26 @@ Registration uses TensorRT's Python plugin API, `tensorrt.plugin` (quickly deplo
   PTX and launches it itself, no Python at run time. Kernel arguments in the documented order: the
   input tensors, the extra scalar L (SymInt32), then the output tensors. Decode runs the same tiled
   kernel (no split-K: one kernel per plugin launch).
-- TensorRT 10.7-10.8: just in time (`trtp.impl`): Python launches kvedge's kernels (cache-write,
-  split-K decode, tiled prefill) on TensorRT's stream.
+- TensorRT 10.6-10.8: just in time (`trtp.impl`): Python launches kvedge's kernels (cache-write,
+  split-K decode, tiled prefill) on TensorRT's stream. Not for bfloat16: the JIT path hands the kernels
+  `trtp.Tensor`s through `__cuda_array_interface__`, which refuses BF16 (tensorrt/plugin/_tensor.py, every
+  release 10.6-11.1); `refusals()` says so and `kvedge check` (so `kvedge build`) refuses it.
+No `from __future__ import annotations` here: tensorrt.plugin validates each registered function with
+`inspect.signature(fn)` and `issubclass(param.annotation, TensorDesc)` (tensorrt/plugin/_validate.py, 10.6-11.1,
+no eval_str), so the annotations must be the classes themselves, not strings.
 The gating, the shape/dtype rules, the AOT kernel signature and launch grid are plain Python, tested
 without TensorRT; the AOT compile itself needs only triton (it is tested on the CPU too).
 """
 
-from __future__ import annotations
-
 import re
 
-from kvedge.artifact import PLUGIN_ID, PLUGIN_NAMESPACE, PLUGIN_OP, PLUGIN_VERSION, Sidecar
+from kvedge.artifact import PLUGIN_ID, PLUGIN_NAMESPACE, PLUGIN_OP, PLUGIN_SCHEMA, PLUGIN_VERSION, Sidecar
 from kvedge.dtypes import GRAPH, TRITON
 from kvedge.errors import KvedgeError
 from kvedge.tensorrt.versions import parse_version
 
-NAMESPACE, NAME, VERSION = PLUGIN_NAMESPACE, PLUGIN_OP, PLUGIN_VERSION  # the op the `trt` lowering writes
-MIN_TENSORRT = (10, 7)  # tensorrt.plugin with trtp.register / trtp.impl
+NAMESPACE, NAME, VERSION, SCHEMA = PLUGIN_NAMESPACE, PLUGIN_OP, PLUGIN_VERSION, PLUGIN_SCHEMA  # what `trt` writes
+MIN_TENSORRT = (10, 6)  # tensorrt.plugin (trtp.register / trtp.impl) and the ONNX parser's QDP nodes (Changelog 10.6)
 AOT_TENSORRT = (10, 9)  # trtp.aot_impl: "Ahead-of-Time Compilable Python Plugins" (TensorRT 10.9.0 release notes)
 DTYPES = tuple(GRAPH.values())  # float32, float16, bfloat16
 INPUTS = ("q", "k", "v", "k_cache", "v_cache", "positions", "cos", "sin")
@@ -50,6 +55,17 @@ def implementation(trt_version: str) -> str:
         raise KvedgeError(f"the kvedge plugin needs TensorRT >= {MIN_TENSORRT[0]}.{MIN_TENSORRT[1]} "
                           f"(tensorrt.plugin), found {trt_version}")
     return "aot" if v >= AOT_TENSORRT else "jit"
+
+
+def refusals(trt_version: str, dtype: str) -> list[str]:
+    """Why TensorRT `trt_version` cannot run the plugin on `dtype` (graph element type) tensors; [] if it can."""
+    if parse_version(trt_version) < MIN_TENSORRT:
+        return [f"needs TensorRT >= {MIN_TENSORRT[0]}.{MIN_TENSORRT[1]} (tensorrt.plugin)"]
+    if dtype == "bfloat16" and implementation(trt_version) == "jit":
+        return [f"cannot run bfloat16 on TensorRT {trt_version}: its just-in-time path passes tensors through "
+                f"__cuda_array_interface__, which tensorrt.plugin refuses for BF16; TensorRT >= "
+                f"{AOT_TENSORRT[0]}.{AOT_TENSORRT[1]} runs it ahead of time, or export with --dtype fp16"]
+    return []
 
 
 def output_shapes(q, k, v, k_cache, v_cache, positions, cos, sin) -> list[tuple]:
@@ -153,7 +169,11 @@ def register() -> str:
     @trtp.register(PLUGIN_ID)
     def _desc(q: trtp.TensorDesc, k: trtp.TensorDesc, v: trtp.TensorDesc, k_cache: trtp.TensorDesc,
               v_cache: trtp.TensorDesc, positions: trtp.TensorDesc, cos: trtp.TensorDesc, sin: trtp.TensorDesc,
-              scale: float, window: int, softcap: float) -> tuple[trtp.TensorDesc, trtp.TensorDesc, trtp.TensorDesc]:
+              scale: float, window: int, softcap: float, schema: int
+              ) -> tuple[trtp.TensorDesc, trtp.TensorDesc, trtp.TensorDesc]:
+        if schema != PLUGIN_SCHEMA:
+            raise ValueError(f"a {PLUGIN_ID} node of schema {schema}; this kvedge's plugin is schema {PLUGIN_SCHEMA}: "
+                             "re-export with --attention trt")
         output_dtypes(*(names.get(t.dtype, str(t.dtype)) for t in (q, k, v, k_cache, v_cache, positions, cos, sin)))
         return q.like(), k_cache.aliased(), v_cache.aliased()
 

@@ -14,6 +14,18 @@ Version gating (sources: the TensorRT docs for each release):
 - 11.x: strongly typed networks only: precision comes from the graph's dtypes (export with --dtype),
   the FP16/BF16 builder flags are gone; the v3 execution API (set_tensor_address / execute_async_v3)
   and name-based I/O, as in 10.x.
+
+API facts per release, from NVIDIA/TensorRT's own sources (release/X.Y branches):
+- BuilderFlag.BF16: absent from 8.6 (include/NvInfer.h, python/src/infer/pyCore.cpp), present from 9.0.
+- Shared device memory (pyCore.cpp): 8.6 create_execution_context_without_device_memory + the write-only
+  `device_memory` property; 10.0 create_execution_context(USER_MANAGED) + `device_memory`; from 10.1
+  set_device_memory(ptr, size) and device_memory_size_v2 (11.0 drops the older calls).
+- PreviewFeature.ALIASED_PLUGIN_IO_10_03 (from 10.3): a plugin's aliased outputs "will only be called and have an
+  effect when PreviewFeature::kALIASED_PLUGIN_IO_10_03 is turned on" (include/NvInferRuntime.h,
+  IPluginV3OneBuildV2::getAliasedInput; NVIDIA's samples/python/quickly_deployable_plugins/qdp_runner.py sets it).
+- INT64 graph inputs are INT32 engine tensors on 8.6, whose DataType has no INT64 (NvInferRuntimeBase.h); the
+  parser keeps INT64 from 9.0 (onnx-tensorrt docs/Changelog.md, 9.0 EA: "ONNX models with INT64 I/O require INT64
+  bindings. Note that prior to this release, such models required INT32 bindings").
 """
 
 from __future__ import annotations
@@ -43,7 +55,13 @@ class TrtPath:
     precision_flags: bool  # BuilderFlag.FP16 / BF16 exist and apply
     progress_monitor: bool  # trt.IProgressMonitor exists (10.0+)
     explicit_batch_flag: bool  # NetworkDefinitionCreationFlag.EXPLICIT_BATCH must be passed (8.x)
-    user_managed_memory: str  # how contexts share device memory: "v2" (10.x+) or "legacy" (8.x)
+    # how contexts share one device-memory block: "v2" (>= 10.1: USER_MANAGED, set_device_memory(ptr, size),
+    # *_v2 sizes), "property" (10.0: USER_MANAGED, context.device_memory = ptr) or "legacy" (8.x:
+    # create_execution_context_without_device_memory, context.device_memory = ptr)
+    user_managed_memory: str
+    bf16_flag: bool  # BuilderFlag.BF16 exists (9.0+; not in 8.6)
+    aliased_plugin_io: bool  # PreviewFeature.ALIASED_PLUGIN_IO_10_03 exists (10.3+)
+    index_dtype: str  # the engine's dtype of the int64 graph inputs (ids, positions): int32 on 8.x
 
 
 def select_path(version: str) -> TrtPath:
@@ -59,5 +77,29 @@ def select_path(version: str) -> TrtPath:
         precision_flags=v[0] < 11,
         progress_monitor=v[0] >= 10,
         explicit_batch_flag=v[0] < 10,
-        user_managed_memory="v2" if v[0] >= 10 else "legacy",
+        user_managed_memory="v2" if v >= (10, 1) else "property" if v[0] >= 10 else "legacy",
+        bf16_flag=v >= (9, 0),
+        aliased_plugin_io=v >= (10, 3),
+        index_dtype="int64" if v >= (9, 0) else "int32",
     )
+
+
+def builder_settings(path: TrtPath, precision: str, export_dtype: str, plugins: bool) -> dict[str, list[str]]:
+    """The BuilderFlag and PreviewFeature names `kvedge build` sets, or a KvedgeError saying why this TensorRT
+    cannot build `precision` ("fp32" | "fp16" | "bf16") for an export of `export_dtype`."""
+    version = ".".join(map(str, path.version))
+    if path.strongly_typed:
+        if precision != export_dtype:
+            raise KvedgeError(f"TensorRT {version} builds strongly typed networks: precision comes from the graph "
+                              f"({export_dtype}); re-export with --dtype {precision}")
+        flags = []
+    elif precision == "bf16" and not path.bf16_flag:
+        raise KvedgeError(f"--precision bf16: TensorRT {version} has no BuilderFlag.BF16 (it arrived in 9.0); "
+                          "build with --precision fp16 or fp32")
+    else:
+        flags = {"fp16": ["FP16"], "bf16": ["BF16"]}.get(precision, [])
+    if plugins and not path.aliased_plugin_io:
+        raise KvedgeError(f"TensorRT {version} has no PreviewFeature.ALIASED_PLUGIN_IO_10_03, which the plugin's "
+                          "in-place cache outputs need")
+    # without the preview feature TensorRT ignores TensorDesc.aliased(): the plugin would write a cache it never reads
+    return {"flags": flags, "preview_features": ["ALIASED_PLUGIN_IO_10_03"] if plugins else []}

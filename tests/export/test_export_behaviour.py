@@ -79,6 +79,21 @@ def test_lowering_refuses_what_it_cannot_express(tmp_path, hf_checkpoint):
     assert not (tmp_path / "o").exists()
 
 
+def test_ort_refuses_a_head_dim_that_is_not_a_multiple_of_8(tmp_path):
+    """Issue 17, item 11: ONNX Runtime's GroupQueryAttention fails at run time on a head size that is not a multiple
+    of 8 ("head_size must be a multiple of 8", onnxruntime 1.32, seen on a gpt2 with 6 heads of 12): the ort
+    lowering (the default) refuses it before anything is written, with the reason and the lowering to use."""
+    from tests.conftest import save_hf_model
+
+    save_hf_model(tmp_path / "gpt2", "gpt2", n_embd=72, n_layer=1, n_head=6, vocab_size=160, n_positions=64,
+                  bos_token_id=1, eos_token_id=2)
+    with pytest.raises(KvedgeError, match=r"^the 'ort' lowering cannot express this gpt2 model: head_dim 12 is not a "
+                                          r"multiple of 8, which ONNX Runtime's GroupQueryAttention requires\. "
+                                          r"Use --attention decomposed$"):
+        export(tmp_path / "gpt2", tmp_path / "o", ExportOptions(max_seq_len=32))
+    assert not (tmp_path / "o").exists()
+
+
 def test_bad_options(tmp_path, hf_checkpoint):
     path, _ = hf_checkpoint("gpt2")
     with pytest.raises(KvedgeError, match=r"--max-seq-len 4096 exceeds this model's learned positions \(128\)"):

@@ -26,8 +26,11 @@ def test_check_verdicts_per_lowering_and_version(lowering, verdicts, exported):
         assert rep.buildable == ok, (lowering, version, [f.message for f in rep.findings])
     if lowering == "onnx":
         msgs = " ".join(f.message for f in check(out / "model.onnx", "10.3").findings)
-        assert "Attention needs TensorRT >= 10.15" in msgs and "TensorScatter needs TensorRT >= 10.15" in msgs
+        assert "Attention needs TensorRT >= 10.14" in msgs and "TensorScatter needs TensorRT >= 10.15" in msgs
         assert "graph opset 24 is newer than TensorRT 10.3's parser reads (<= 20)" in msgs
+        msgs = [f.message for f in check(out / "model.onnx", "10.14").findings]  # Attention parses, TensorScatter not
+        assert not any("Attention" in m for m in msgs) and any("TensorScatter needs TensorRT >= 10.15" in m
+                                                                for m in msgs)
     if lowering == "ort":
         assert any(f.kind == "plugin" and "GroupQueryAttention" in f.message
                    for f in check(out / "model.onnx", "10.15").findings)
@@ -161,18 +164,34 @@ def test_check_knows_symmetric_weight_only_forms(tmp_path):
     zp = _weight_only_graph(tmp_path / "zp.onnx", ml_dtypes.int4, 64, zero=1)
     assert any("non-zero zero points" in f.message for f in check(zp, "10.15").findings)
     assert check(_weight_only_graph(tmp_path / "zp0.onnx", ml_dtypes.int4, 64, zero=0), "10.15").buildable
+
+def test_blocked_dequantization_takes_fp4_fp8_and_int4_only(tmp_path):
+    """Issue 17, item 10. NVIDIA/TensorRT include/NvInfer.h, IDequantizeLayer: "Block dequantization is supported
+    only for input tensors with DataType::kINT4" (release/10.0 to release/10.12); "Block dequantization is supported
+    for input types DataType::kFP4, DataType::kFP8 and DataType::kINT4" (release/10.13 to release/11.1). Blocked INT8
+    builds on no release; blocked FP8 from 10.13."""
+    import ml_dtypes
+    import numpy as np
+
     int8 = _weight_only_graph(tmp_path / "int8.onnx", np.int8, 128)
-    assert not check(int8, "10.9").buildable and check(int8, "10.15").buildable
-    assert any("blocked INT8 DequantizeLinear needs TensorRT >= 10.15" in f.message
-               for f in check(int8, "10.9").findings)
+    for version in ("10.9", "10.15", "11.1"):
+        assert [f.message for f in check(int8, version).findings if f.blocking] == [
+            "blocked INT8 DequantizeLinear: TensorRT's block dequantization takes FP4, FP8 and INT4 only, in no "
+            "release (export --quantize int4, blocks of 64 or 128) (1 node)"]
+    fp8 = _weight_only_graph(tmp_path / "fp8.onnx", ml_dtypes.float8_e4m3fn, 128)
+    assert {v: check(fp8, v).buildable for v in ("10.12", "10.13", "11.1")} == \
+        {"10.12": False, "10.13": True, "11.1": True}
+    assert any("blocked FP8 DequantizeLinear needs TensorRT >= 10.13" in f.message
+               for f in check(fp8, "10.12").findings)
 
 
 @pytest.mark.parametrize("scheme,dtype,ok", [("int4", 22, {"10.3": False, "10.15": True, "11.0": True}),
-                                             ("int8", 3, {"10.9": False, "10.15": True, "11.0": True})])
+                                             ("int8", 3, {"10.9": False, "10.15": False, "11.0": False})])
 def test_symmetric_export_is_the_form_tensorrt_builds(scheme, dtype, ok, tmp_path):
     """--symmetric with --attention onnx writes signed INT4 / INT8 weights and DequantizeLinear without zero
-    points, blocks of 128 along K: check finds nothing blocking where TensorRT documents the form, and the
-    graph still verifies on ONNX Runtime against the quantized PyTorch model."""
+    points, blocks of 128 along K: check finds nothing blocking where TensorRT documents the form (blocked INT4;
+    blocked INT8 on no release, see test_blocked_dequantization_takes_fp4_fp8_and_int4_only), and the graph
+    still verifies on ONNX Runtime against the quantized PyTorch model."""
     import onnx
 
     from kvedge.export import ExportOptions, export
@@ -190,3 +209,130 @@ def test_symmetric_export_is_the_form_tensorrt_builds(scheme, dtype, ok, tmp_pat
     inits = {t.name: t for t in graph.initializer}
     assert len(dq) == 4 and all(len(n.input) == 2 and inits[n.input[0]].data_type == dtype for n in dq)
     assert {v: check(out / "model.onnx", v).buildable for v in ok} == ok
+
+
+# The shared-device-memory calls of TensorRT's Python bindings, per release: NVIDIA/TensorRT
+# python/src/infer/pyCore.cpp at release/8.6, release/10.0, release/10.1 and release/11.0 (USER_MANAGED: the
+# ExecutionContextAllocationStrategy value; the others: method and property names).
+PYCORE_DEVICE_MEMORY = {
+    "8.6": {"create_execution_context_without_device_memory", "device_memory", "device_memory_size"},
+    "10.0": {"create_execution_context_without_device_memory", "device_memory", "device_memory_size",
+             "get_device_memory_size_for_profile", "USER_MANAGED"},
+    "10.1": {"create_execution_context_without_device_memory", "device_memory", "device_memory_size",
+             "get_device_memory_size_for_profile", "USER_MANAGED", "set_device_memory", "device_memory_size_v2",
+             "get_device_memory_size_for_profile_v2"},
+    "11.0": {"device_memory", "USER_MANAGED", "set_device_memory", "device_memory_size_v2",
+             "get_device_memory_size_for_profile_v2"},
+}
+# what kvedge.tensorrt.backend (contexts) and kvedge.tensorrt.build (per-profile sizes) call for each mode
+CALLS = {"legacy": {"create_execution_context_without_device_memory", "device_memory", "device_memory_size"},
+         "property": {"USER_MANAGED", "device_memory", "device_memory_size", "get_device_memory_size_for_profile"},
+         "v2": {"USER_MANAGED", "set_device_memory", "device_memory_size_v2", "get_device_memory_size_for_profile_v2"}}
+
+
+def test_device_memory_calls_exist_in_each_release():
+    """Issue 17, item 4: set_device_memory(ptr, size) and the *_v2 sizes arrive in 10.1 (release/10.0's pyCore.cpp
+    has only the write-only `device_memory` property); 11.0 drops the calls without _v2."""
+    assert [select_path(v).user_managed_memory for v in PYCORE_DEVICE_MEMORY] == ["legacy", "property", "v2", "v2"]
+    for version, api in PYCORE_DEVICE_MEMORY.items():
+        assert CALLS[select_path(version).user_managed_memory] <= api, version
+
+
+def test_bf16_precision_needs_tensorrts_bf16_builder_flag():
+    """Issue 17, item 5: release/8.6's include/NvInfer.h BuilderFlag and pyCore.cpp `py::enum_<BuilderFlag>` have
+    kFP16 and no kBF16; `.value("BF16", BuilderFlag::kBF16, ...)` appears in release/9.0 (and 10.x). 11.x builds
+    strongly typed networks only (precision from the graph)."""
+    from kvedge.tensorrt.versions import builder_settings
+
+    with pytest.raises(KvedgeError, match=r"--precision bf16: TensorRT 8.6 has no BuilderFlag.BF16 .* fp16 or fp32"):
+        builder_settings(select_path("8.6"), "bf16", "fp32", plugins=False)
+    assert builder_settings(select_path("8.6"), "fp16", "fp32", plugins=False)["flags"] == ["FP16"]
+    assert builder_settings(select_path("10.3"), "bf16", "fp32", plugins=False)["flags"] == ["BF16"]
+    assert builder_settings(select_path("10.3"), "fp32", "fp32", plugins=False)["flags"] == []
+    with pytest.raises(KvedgeError, match="strongly typed networks"):
+        builder_settings(select_path("11.0"), "fp16", "fp32", plugins=False)
+    assert builder_settings(select_path("11.0"), "bf16", "bf16", plugins=False)["flags"] == []
+
+
+def test_plugin_graphs_turn_on_aliased_plugin_io():
+    """Issue 17, item 7: IPluginV3OneBuildV2::getAliasedInput "will only be called and have an effect when
+    PreviewFeature::kALIASED_PLUGIN_IO_10_03 is turned on" (NVIDIA/TensorRT include/NvInferRuntime.h, release/10.3
+    through release/11.1; pyCore.cpp binds it as PreviewFeature.ALIASED_PLUGIN_IO_10_03 there), and NVIDIA's
+    samples/python/quickly_deployable_plugins/qdp_runner.py (release/10.9) builds its in-place plugin with
+    preview_features=[trt.PreviewFeature.ALIASED_PLUGIN_IO_10_03]. Without it the plugin's cache outputs are not
+    its cache inputs: the new K/V would be written where attention never reads them."""
+    from kvedge.tensorrt.versions import builder_settings
+
+    for version in ("10.6", "10.9", "10.15", "11.0"):
+        path = select_path(version)
+        assert path.aliased_plugin_io
+        assert builder_settings(path, "fp16", "fp16", plugins=True)["preview_features"] == ["ALIASED_PLUGIN_IO_10_03"]
+        assert builder_settings(path, "fp16", "fp16", plugins=False)["preview_features"] == []
+    assert not select_path("10.0").aliased_plugin_io
+
+
+def test_int64_inputs_are_int32_engine_tensors_on_8_6(exported):
+    """Issue 17, item 8: onnx-tensorrt docs/Changelog.md, 9.0 EA: "ONNX models with INT64 I/O require INT64
+    bindings. Note that prior to this release, such models required INT32 bindings" (release/8.6's
+    NvInferRuntimeBase.h DataType has no kINT64). The backend binds each input in the dtype
+    engine.get_tensor_dtype reports; the plan sizes the id buffers the same way."""
+    assert select_path("8.6").index_dtype == "int32" and select_path("10.3").index_dtype == "int64"
+    _, sc = exported("llama-gqa4-llama3rope", "decomposed")
+    for version, size in (("8.6", 4), ("10.3", 8)):
+        plan = {b.name: b.bytes for b in buffer_plan(sc, select_path(version), max_prefill_len=16)}
+        assert (plan["input_ids"], plan["position_ids"], plan["logits_index"]) == (3 * 16 * size, 3 * 16 * size,
+                                                                                   3 * size)
+
+
+def _graph(path, nodes, inputs, outputs, opset: int):
+    from onnx import TensorProto, helper, save
+
+    def info(name, shape):
+        return helper.make_tensor_value_info(name, TensorProto.FLOAT, shape)
+
+    graph = helper.make_graph(nodes, "g", [info(*i) for i in inputs], [info(*o) for o in outputs])
+    save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)]), str(path))
+    return path
+
+
+def test_check_knows_what_the_parser_refuses_on_attention_and_tensorscatter(tmp_path):
+    """Issue 17, item 10, for any graph: onnx-tensorrt docs/operators.md (10.15): Attention "`past_key`, `past_value`
+    and `nonpad_kv_seqlen` inputs are unsupported. `present_key`, `present_value` and `qk_matmul_output` outputs are
+    unsupported. `qk_matmul_output_mode` and `softcap` attributes are unsupported."; TensorScatter "`past_cache` and
+    `update` must be 4D. `axis` must be -2."."""
+    from onnx import helper
+
+    q = ("q", [1, 2, 4, 8])
+    attention = helper.make_node("Attention", ["q", "q", "q", "", "", "", "n"], ["y", "pk", "", "qk"],
+                                 qk_matmul_output_mode=1, softcap=5.0)
+    g = _graph(tmp_path / "a.onnx", [attention], [q, ("n", [1])], [("y", [1, 2, 4, 8])], 24)
+    msgs = [f.message for f in check(g, "10.15").findings if f.blocking]
+    assert msgs == ["Attention node '' has input nonpad_kv_seqlen, output present_key, output qk_matmul_output, "
+                    "attribute qk_matmul_output_mode, attribute softcap, which TensorRT's parser does not support"]
+    plain = helper.make_node("Attention", ["q", "q", "q"], ["y"])
+    assert check(_graph(tmp_path / "b.onnx", [plain], [q], [("y", [1, 2, 4, 8])], 24), "10.15").buildable
+    for axis, shape, ok in ((-2, [1, 2, 8, 4], True), (2, [1, 2, 8, 4], False), (-2, [2, 8, 4], False)):
+        scatter = helper.make_node("TensorScatter", ["c", "u"], ["o"], axis=axis)
+        g = _graph(tmp_path / "s.onnx", [scatter], [("c", shape), ("u", shape)], [("o", shape)], 24)
+        assert check(g, "10.15").buildable == ok, (axis, shape)
+
+
+def test_the_onnx_lowering_writes_tensorscatter_axis_minus_2(exported):
+    """Issue 17, item 10: TensorRT's parser takes TensorScatter with `axis` -2 only (onnx-tensorrt docs/operators.md,
+    10.15), -2 being also the ONNX default; the onnx lowering wrote 2 (the same axis of a 4-D cache)."""
+    import onnx
+
+    out, _ = exported("llama-gqa4-llama3rope", "onnx")
+    scatters = [n for n in onnx.load(str(out / "model.onnx")).graph.node if n.op_type == "TensorScatter"]
+    assert scatters and all(onnx.helper.get_attribute_value(a) == -2 for n in scatters for a in n.attribute
+                            if a.name == "axis")
+
+
+def test_group_normalization_parses_on_8_6(tmp_path):
+    """Issue 17, item 10: onnx-tensorrt docs/Changelog.md, 8.6 EA: "Added support for `GroupNormalization`"
+    (docs/operators.md at 8.6-GA: GroupNormalization | Y | FP32, FP16). Its opset (18) is a separate finding."""
+    from onnx import helper
+
+    node = helper.make_node("GroupNormalization", ["x", "s", "b"], ["y"], num_groups=2)
+    g = _graph(tmp_path / "gn.onnx", [node], [("x", [1, 4, 8]), ("s", [2]), ("b", [2])], [("y", [1, 4, 8])], 18)
+    assert not any("GroupNormalization" in f.message for f in check(g, "8.6").findings)

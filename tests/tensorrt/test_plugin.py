@@ -1,14 +1,19 @@
 """The kvedge TensorRT plugin without TensorRT: its shape/dtype/alias rules, the AOT/JIT choice per
-TensorRT version, the AOT kernel's signature, grid and PTX (compiled by triton, no GPU needed), and
-its ONNX node."""
+TensorRT version, the AOT kernel's signature, grid and PTX (compiled by triton, no GPU needed), its
+registration as tensorrt.plugin validates it (TensorRT's checks reproduced here), and its ONNX node."""
 
 from __future__ import annotations
 
+import __future__
+import ast
 import inspect
 import json
 import os
 import subprocess
 import sys
+import textwrap
+import types
+import typing
 
 import onnx
 import pytest
@@ -40,12 +45,102 @@ def test_output_shapes_and_dtypes():
         trt_plugin.output_dtypes(*["float16"] * 5, "int64", "float16", "float32")
 
 
-@pytest.mark.parametrize("version,mode", [("10.7", "jit"), ("10.8.0.43", "jit"), ("10.9", "aot"),
+@pytest.mark.parametrize("version,mode", [("10.6", "jit"), ("10.8.0.43", "jit"), ("10.9", "aot"),
                                           ("10.15.1", "aot"), ("11.0", "aot")])
 def test_aot_where_tensorrt_has_aot_impl_else_jit(version, mode):
+    """tensorrt.plugin (register, impl, TensorDesc.aliased) is in NVIDIA/TensorRT release/10.6's
+    python/packaging/bindings_wheel/tensorrt/plugin/, and onnx-tensorrt's docs/Changelog.md 10.6 GA "Added support
+    for parsing nodes with Quickly Deployable Plugins"; aot_impl first appears in release/10.9's _lib.py."""
     assert trt_plugin.implementation(version) == mode
-    with pytest.raises(KvedgeError, match="needs TensorRT >= 10.7"):
-        trt_plugin.implementation("10.3")
+    with pytest.raises(KvedgeError, match="needs TensorRT >= 10.6"):
+        trt_plugin.implementation("10.5")
+
+
+# tensorrt.plugin's checks of a registration, reproduced (TensorRT is not installed here), from NVIDIA/TensorRT
+# python/packaging/bindings_wheel/tensorrt/plugin/_validate.py at release/10.9 (the same lines in release/10.6
+# through release/11.1): _parse_register_inputs, _parse_register_return, _validate_impl and _validate_aot_impl.
+# They read `inspect.signature(fn)` (no eval_str) and test each annotation with issubclass(), which raises
+# TypeError on a string annotation. The classes below only stand where tensorrt.plugin's classes are the
+# issubclass() targets; nothing here behaves like TensorRT.
+class TensorDesc: ...
+class Tensor: ...
+class KernelLaunchParams: ...
+class SymExprs: ...
+class SymIntExprs(SymExprs): ...
+
+
+ANNOTATION_TARGETS = types.SimpleNamespace(TensorDesc=TensorDesc, Tensor=Tensor, KernelLaunchParams=KernelLaunchParams,
+                                           SymExprs=SymExprs, SymIntExprs=SymIntExprs)
+SERIALIZABLE_BUILTIN_TYPES = (int, float, bytes, bool, str)  # _validate.py
+
+
+def registered_functions() -> dict[str, typing.Callable]:
+    """register()'s functions decorated with trtp.register / trtp.aot_impl / trtp.impl, their bodies dropped, compiled
+    with the __future__ flags kvedge.tensorrt.plugin is compiled with: {decorator: function}."""
+    future = 0
+    for feature in __future__.all_feature_names:
+        future |= getattr(__future__, feature).compiler_flag
+    flags = trt_plugin.register.__code__.co_flags & future
+    found = {}
+    for fn in ast.walk(ast.parse(textwrap.dedent(inspect.getsource(trt_plugin.register)))):
+        deco = fn.decorator_list[0] if isinstance(fn, ast.FunctionDef) and fn.decorator_list else None
+        if isinstance(deco, ast.Call) and isinstance(deco.func, ast.Attribute):
+            fn.decorator_list, fn.body = [], [ast.Pass()]
+            module = ast.fix_missing_locations(ast.Module(body=[fn], type_ignores=[]))
+            scope = {"trtp": ANNOTATION_TARGETS}
+            exec(compile(module, trt_plugin.__file__, "exec", flags=flags, dont_inherit=True), scope)
+            found[deco.func.attr] = scope[fn.name]
+    return found
+
+
+def tensorrt_registers(fn) -> tuple[list[str], dict]:
+    """_parse_register_inputs and _parse_register_return: (tensor names, attribute annotations)."""
+    sig = inspect.signature(fn)
+    tensors, attrs = [], {}
+    for i, (name, p) in enumerate(sig.parameters.items()):
+        assert p.annotation is not inspect.Parameter.empty and p.default is inspect.Parameter.empty
+        if issubclass(p.annotation, TensorDesc):
+            assert not attrs, "TensorDescs args and attribute args cannot be interspersed"
+            tensors.append(name)
+        else:
+            assert i > 0 and p.annotation in SERIALIZABLE_BUILTIN_TYPES, (name, p.annotation)
+            attrs[name] = p.annotation
+    ret = sig.return_annotation
+    assert typing.get_origin(ret) is tuple and all(issubclass(a, TensorDesc) for a in typing.get_args(ret))
+    return tensors, attrs
+
+
+def tensorrt_accepts_impl(fn, tensors: list[str], attrs: dict, tensor_type: type, last: str) -> None:
+    """_validate_impl (tensor_type Tensor, last "stream") and _validate_aot_impl (TensorDesc, "tactic")."""
+    sig = inspect.signature(fn)
+    for name, p in sig.parameters.items():
+        if name == "outputs":
+            assert typing.get_origin(p.annotation) is tuple
+            assert all(issubclass(a, tensor_type) for a in typing.get_args(p.annotation))
+        elif name in ("stream", "tactic"):
+            assert issubclass(p.annotation, int)
+        elif issubclass(p.annotation, tensor_type):
+            assert name in tensors
+        else:
+            assert p.annotation == attrs[name], name
+    assert list(sig.parameters) == [*tensors, *(a for a in attrs if a in sig.parameters), "outputs", last]
+
+
+def test_the_registration_passes_tensorrt_plugins_own_validation():
+    """Issue 17, item 1: under `from __future__ import annotations` every annotation is a string and TensorRT's
+    issubclass(param.annotation, TensorDesc) raises TypeError: no build or engine load could register the plugin."""
+    fns = registered_functions()
+    assert set(fns) == {"register", "aot_impl", "impl"}
+    tensors, attrs = tensorrt_registers(fns["register"])
+    assert tensors == list(trt_plugin.INPUTS) and attrs == {"scale": float, "window": int, "softcap": float,
+                                                            "schema": int}
+    tensorrt_accepts_impl(fns["impl"], tensors, attrs, Tensor, "stream")
+    assert inspect.signature(fns["impl"]).return_annotation is None  # _validate_impl: None or none given
+    tensorrt_accepts_impl(fns["aot_impl"], tensors, attrs, TensorDesc, "tactic")
+    ret = typing.get_args(inspect.signature(fns["aot_impl"]).return_annotation)  # _validate_aot_impl's return rule
+    assert len(ret) == 4 and all(set(typing.get_args(a)) == {str, bytes} for a in ret[:2])
+    assert all(typing.get_origin(a) in (typing.Union, types.UnionType) for a in ret[:2])
+    assert issubclass(ret[2], KernelLaunchParams) and issubclass(ret[3], SymExprs)
 
 
 def test_aot_signature_follows_the_kernel_and_the_documented_argument_order():
@@ -100,7 +195,7 @@ def test_trt_lowering_passes_the_rope_tables_to_one_plugin_node_per_layer(export
     assert len(nodes) == sidecar.model.num_layers
     n = nodes[0]
     attrs = {a.name: onnx.helper.get_attribute_value(a) for a in n.attribute}
-    assert n.domain == "kvedge" and attrs["plugin_namespace"] == b"kvedge" and attrs["plugin_version"] == b"2"
+    assert n.domain == "kvedge" and attrs["plugin_namespace"] == b"kvedge"
     assert attrs["scale"] == pytest.approx(sidecar.model.attn_scale) and attrs["window"] == 0
     assert len(n.input) == 8 and len(n.output) == 3
     assert "past_key.0" in n.input and "present_key.0" in n.output  # cache in, aliased cache out
@@ -112,13 +207,38 @@ def test_trt_lowering_passes_the_rope_tables_to_one_plugin_node_per_layer(export
     rep = check(out / "model.onnx", "10.8")
     assert rep.buildable and any("just in time" in f.message for f in rep.findings)
     rep = check(out / "model.onnx", "10.3")
-    assert not rep.buildable and any("needs TensorRT >= 10.7" in f.message for f in rep.findings)
-    for a in n.attribute:  # an export from before the RoPE inputs
-        if a.name == "plugin_version":
-            a.s = b"1"
-    onnx.save(model, str(out / "v1.onnx"))
-    rep = check(out / "v1.onnx", "10.15")
-    assert not rep.buildable and any("plugin_version '1'" in f.message for f in rep.findings)
+    assert not rep.buildable and any("needs TensorRT >= 10.6" in f.message for f in rep.findings)
+
+
+def test_the_plugin_node_is_the_one_tensorrt_looks_up(exported):
+    """Issue 17, item 2. TensorRT's ONNX parser finds a custom node's creator by (op type, `plugin_version`,
+    `plugin_namespace`), plugin_version "1" by default (onnx-tensorrt onnxOpImporters.cpp, FallbackPluginImporter:
+    attrs.get<std::string>("plugin_version", "1"); "Plugin not found" otherwise), and tensorrt.plugin registers
+    every creator as version "1" (NVIDIA/TensorRT tensorrt/plugin/_lib.py, `plugin_version = "1"` and
+    get_creator(name, "1", namespace), release/10.6 through release/11.1). kvedge's node schema is its `schema`
+    attribute, which the parser hands to the plugin as a field (loadFields: one per registered attribute)."""
+    from kvedge.artifact import PLUGIN_SCHEMA
+
+    out, _ = exported("llama-gqa4-llama3rope", "trt")
+    model = onnx.load(str(out / "model.onnx"))
+    nodes = [n for n in model.graph.node if n.op_type == trt_plugin.NAME]
+    for n in nodes:
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in n.attribute}
+        assert (n.domain, attrs["plugin_namespace"], attrs["plugin_version"]) == ("kvedge", b"kvedge", b"1")
+        assert attrs["schema"] == PLUGIN_SCHEMA == 2
+    assert check(out / "model.onnx", "10.15").buildable
+
+    def edited(name, value, file):  # the first node's attribute changed, as an older export wrote it
+        attr = next(a for a in nodes[0].attribute if a.name == name)
+        old = onnx.helper.get_attribute_value(attr)
+        attr.CopyFrom(onnx.helper.make_attribute(name, value))
+        onnx.save(model, str(out / file))
+        attr.CopyFrom(onnx.helper.make_attribute(name, old))
+        return [f.message for f in check(out / file, "10.15").findings if f.blocking]
+
+    assert any("plugin_version '2': TensorRT looks the plugin up as version '1'" in m
+               for m in edited("plugin_version", "2", "v2.onnx"))
+    assert any("is schema 1; this kvedge's plugin is schema 2" in m for m in edited("schema", 1, "schema1.onnx"))
 
 
 def test_trt_lowering_without_rope_passes_zero_width_tables(exported):
@@ -133,3 +253,16 @@ def test_trt_lowering_without_rope_passes_zero_width_tables(exported):
     if shape is None:  # a Constant node
         shape = onnx.numpy_helper.to_array(producers[table.input[0]].attribute[0].t)
     assert shape.tolist() == [1, 0]
+
+
+def test_bfloat16_plugin_graphs_run_ahead_of_time_only(exported):
+    """Issue 17, item 6. On the just-in-time path (10.6-10.8) kvedge's kernels get the plugin's tensors through
+    trtp.Tensor.__cuda_array_interface__, which raises "Handling DataType.BF16 via '__cuda_array_interface__' is
+    not supported" (NVIDIA/TensorRT python/packaging/bindings_wheel/tensorrt/plugin/_tensor.py, release/10.6
+    through release/11.1); the ahead-of-time path (10.9+) hands TensorRT PTX and never builds a trtp.Tensor."""
+    assert trt_plugin.refusals("10.8", "bfloat16") and not trt_plugin.refusals("10.9", "bfloat16")
+    assert not trt_plugin.refusals("10.6", "float16")
+    out, _ = exported("llama-gqa4-llama3rope", "trt", dtype="bf16")
+    rep = check(out / "model.onnx", "10.8")
+    assert not rep.buildable and any("cannot run bfloat16 on TensorRT 10.8" in f.message for f in rep.findings)
+    assert check(out / "model.onnx", "10.9").buildable

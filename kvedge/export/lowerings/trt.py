@@ -1,8 +1,9 @@
 """`trt`: one kvedge::gqa_attention plugin node per layer (kvedge.tensorrt.plugin), for TensorRT.
 
 TensorRT's ONNX parser builds an unknown op from the plugin registry by its op type, with the
-`plugin_namespace` and `plugin_version` attributes. The graph runs only inside TensorRT with the
-plugin registered: ONNX Runtime cannot run it, so export skips the ORT verification.
+`plugin_namespace` and `plugin_version` attributes (version "1": every tensorrt.plugin creator's); the `schema`
+attribute is kvedge's own version of the node, which the registered plugin checks. The graph runs only inside
+TensorRT with the plugin registered: ONNX Runtime cannot run it, so export skips the ORT verification.
 RoPE is the plugin's: the node takes the cos/sin tables (a [1, 0] pair for a model without RoPE) and
 rotates q and k inside its kernels, so no rotation ops precede it.
 """
@@ -12,7 +13,7 @@ from __future__ import annotations
 from onnxscript import opset18 as op
 from onnxscript.values import Opset
 
-from kvedge.artifact import PLUGIN_ID, PLUGIN_NAMESPACE, PLUGIN_OP, PLUGIN_VERSION
+from kvedge.artifact import PLUGIN_ID, PLUGIN_NAMESPACE, PLUGIN_OP, PLUGIN_SCHEMA, PLUGIN_VERSION
 from kvedge.export.lowerings import Lowering
 from kvedge.export.lowerings._common import const
 from kvedge.models.config import ModelConfig
@@ -31,7 +32,7 @@ def _register_schema() -> None:
                 P("cos", "R"), P("sin", "R")],
         outputs=[P("out", "T"), P("present_key", "T"), P("present_value", "T")],
         attributes=[A("scale", T.FLOAT, "", required=True), A("window", T.INT, "", required=True),
-                    A("softcap", T.FLOAT, "", required=True),
+                    A("softcap", T.FLOAT, "", required=True), A("schema", T.INT, "", required=True),
                     A("plugin_namespace", T.STRING, "", required=True),
                     A("plugin_version", T.STRING, "", required=True)],
         type_constraints=[("T", ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"], ""),
@@ -56,9 +57,9 @@ def translate(q, k, v, k_cache, v_cache, positions, scale: float, window: int, s
         cos = sin = op.ConstantOfShape(const([1, 0]))
     return getattr(kvedge_ops, PLUGIN_OP)(
         q, k, v, k_cache, v_cache, positions, cos, sin, scale=scale, window=window, softcap=softcap,
-        plugin_namespace=PLUGIN_NAMESPACE, plugin_version=PLUGIN_VERSION)
+        schema=PLUGIN_SCHEMA, plugin_namespace=PLUGIN_NAMESPACE, plugin_version=PLUGIN_VERSION)
 
 
-LOWERING = Lowering("trt", 17, "kvedge's fused-attention TensorRT plugin; TensorRT >= 10.7 only", translate,
+LOWERING = Lowering("trt", 17, "kvedge's fused-attention TensorRT plugin; TensorRT >= 10.6 only", translate,
                     unsupported=unsupported, unsupported_quant=unsupported_quant, runs_on_onnxruntime=False,
                     plugins=(PLUGIN_ID,))
