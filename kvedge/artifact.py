@@ -35,8 +35,11 @@ from kvedge.models.config import ModelConfig
 SIDECAR = "kvedge.json"
 FORMAT = 1
 TOKEN_INPUTS = ("input_ids", "position_ids", "logits_index")  # every graph's first inputs, in this order
-# The kvedge fused-attention plugin op the `trt` lowering writes and TensorRT's registry must hold.
-PLUGIN_NAMESPACE, PLUGIN_OP, PLUGIN_VERSION = "kvedge", "gqa_attention", "2"
+# The kvedge fused-attention plugin op the `trt` lowering writes and TensorRT's registry must hold. TensorRT finds
+# a node's plugin by (op type, plugin_version, plugin_namespace), and a tensorrt.plugin creator is always version
+# "1" (NVIDIA/TensorRT tensorrt/plugin/_lib.py, every release 10.6-11.1); kvedge's own schema of the node (its
+# inputs and attributes) is the `schema` attribute, which the registered plugin checks.
+PLUGIN_NAMESPACE, PLUGIN_OP, PLUGIN_VERSION, PLUGIN_SCHEMA = "kvedge", "gqa_attention", "1", 2
 PLUGIN_ID = f"{PLUGIN_NAMESPACE}::{PLUGIN_OP}"
 
 

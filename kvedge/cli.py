@@ -11,6 +11,9 @@ from kvedge import __version__
 from kvedge.errors import KvedgeError
 
 
+DEMO_PROMPT = "Once upon a time"
+
+
 def _say(args, *parts) -> None:
     if not getattr(args, "quiet", False):
         print(*parts, file=sys.stderr, flush=True)
@@ -46,7 +49,10 @@ def cmd_info(args) -> int:
 
 
 def cmd_demo(args) -> int:
-    """The main job on the built-in default: checkpoint -> ONNX export (verified) -> generation."""
+    """The main job: a model -> ONNX export (verified) -> generation on onnxruntime and the native engine, with
+    parity against torch. --model: a GGUF file (make demo's real model); else the built-in random-weight model."""
+    if args.model:
+        return _demo_real(args)
     from kvedge.export import ExportOptions, export
     from kvedge.models.demo import write_demo_checkpoint
     from kvedge.runtime import load
@@ -55,8 +61,7 @@ def cmd_demo(args) -> int:
     ckpt = write_demo_checkpoint(out / "checkpoint")
     _say(args, f"[1/3] demo checkpoint (Llama-style GQA, random weights): {ckpt}")
     _say(args, "[2/3] export to ONNX and verify against PyTorch")
-    export(ckpt, out / "onnx", ExportOptions(max_seq_len=512, max_batch=1, force=True),
-           progress=None if args.quiet else (lambda m: print("      " + m, file=sys.stderr, flush=True)))
+    export(ckpt, out / "onnx", ExportOptions(max_seq_len=512, max_batch=1, force=True), progress=_indented(args))
     _say(args, f"[3/3] generate on onnxruntime (CPU), {args.max_new_tokens} tokens")
     session = load(out / "onnx", threads=args.threads)
     res = session.generate(args.prompt, max_new_tokens=args.max_new_tokens, eos_token_id=None)
@@ -69,6 +74,57 @@ def cmd_demo(args) -> int:
           f"{ref.decode_tokens_per_s:.1f} tokens/s on torch")
     print(f"parity: onnxruntime tokens {'==' if res.tokens == ref.tokens else '!='} torch tokens")
     return 0 if res.tokens == ref.tokens else 1
+
+
+def _indented(args):
+    return None if args.quiet else (lambda m: print("      " + m, file=sys.stderr, flush=True))
+
+
+def _demo_real(args) -> int:
+    """A real GGUF model: export it with its own integers (verified), answer a chat question on onnxruntime and on
+    the native engine, then teacher-forced parity of the export against torch and perplexity on held-out text."""
+    from kvedge.bench.eval import evaluate
+    from kvedge.bench.parity import compare
+    from kvedge.export import ExportOptions, export
+    from kvedge.models import load_config
+    from kvedge.runtime import load
+    from kvedge.runtime.calibration import heldout_rows
+
+    model, out = Path(args.model), Path(args.out) / "onnx"
+    cfg = load_config(model)
+    _say(args, f"[1/4] {model.name}: {cfg.arch}, {cfg.num_layers} layers, {cfg.num_heads} query / "
+               f"{cfg.num_kv_heads} KV heads; export to ONNX with the file's own integers, verified against PyTorch")
+    export(model, out, ExportOptions(max_seq_len=512, max_batch=1, force=True), progress=_indented(args))
+    prompt = args.prompt if args.prompt != DEMO_PROMPT else "What is the capital of France?"
+    print(f"prompt (chat): {prompt!r}")
+    ok = True
+    for step, name, path in (("2/4", "onnxruntime", out), ("3/4", "native", model)):
+        _say(args, f"[{step}] greedy chat answer on {name}")
+        session = load(path, name, threads=args.threads, max_batch=1, max_seq_len=512)
+        res = session.generate(prompt, chat=True, max_new_tokens=args.max_new_tokens)
+        print(f"{name:>12}: {res.texts[0].strip()!r}  (prefill {res.prompt_tokens[0]} tokens in "
+              f"{res.prefill_s * 1e3:.0f} ms; {res.decode_tokens_per_s:.1f} tokens/s)")
+    _say(args, "[4/4] parity of the export against torch (teacher-forced), and perplexity on held-out text")
+    ort = load(out, "onnxruntime", threads=args.threads, max_batch=1)
+    ref = load(model, "torch", threads=args.threads, max_batch=1, max_seq_len=512)
+    rep = compare(ort, ref, ort.tokenizer.encode(prompt), 8)
+    print(f"parity: onnxruntime vs torch {'PASSED' if rep.passed else 'FAILED'}, worst max rel "
+          f"{max(s.max_rel for s in rep.steps):.1e}, cosine >= {min(s.cosine for s in rep.steps):.6f}")
+    ok &= rep.passed
+    rows, text = heldout_rows(out, ort.cfg, None, 512)
+    ev = evaluate(load(out, "onnxruntime", threads=args.threads, max_batch=2), rows, text)
+    print(f"perplexity on {ev.predicted_tokens} tokens of kvedge's held-out text: {ev.perplexity:.3f} (onnxruntime)")
+    return 0 if ok else 1
+
+
+def cmd_import_gguf(args) -> int:
+    from kvedge.models.gguf import write_hf_folder
+
+    out = Path(args.out)
+    if out.exists() and any(out.iterdir()) and not args.force:
+        raise KvedgeError(f"{out} exists and is not empty; pass --force to overwrite it")
+    print(write_hf_folder(args.gguf, out))
+    return 0
 
 
 def cmd_generate(args) -> int:
@@ -111,6 +167,7 @@ def cmd_export(args) -> int:
                          quantize_lm_head=args.quantize_lm_head, allow_degraded=args.allow_degraded,
                          accuracy_level=args.accuracy_level, quant_method=args.method, symmetric=args.symmetric,
                          calibration_text=args.calibration_text, calibration_tokens=args.calibration_tokens,
+                         eval_text=args.eval_text,
                          kv_dtype=args.kv_dtype)
     sidecar = export(args.model, args.out, opts, progress=None if args.quiet else
                      (lambda m: print(m, file=sys.stderr, flush=True)))
@@ -129,14 +186,17 @@ def cmd_export(args) -> int:
 def _resolve(path: str):
     """(export folder or None, checkpoint folder or None) for a PATH given to bench / parity."""
     from kvedge.artifact import SIDECAR, Sidecar
+    from kvedge.models import is_checkpoint
 
     p = Path(path)
+    if p.suffix == ".gguf" and p.is_file():
+        return None, p
     if (p / SIDECAR).is_file():
         src = Sidecar.read(p).extra.get("source_checkpoint")
-        return p, (Path(src) if src and (Path(src) / "config.json").is_file() else None)
+        return p, (Path(src) if src and is_checkpoint(src) else None)
     if (p / "config.json").is_file():
         return None, p
-    raise KvedgeError(f"{p}: neither an export folder (kvedge.json) nor a checkpoint (config.json)")
+    raise KvedgeError(f"{p}: neither an export folder (kvedge.json), a checkpoint (config.json) nor a .gguf file")
 
 
 def _sessions(args, export_dir, ckpt, names, max_seq_len, max_batch):
@@ -253,6 +313,30 @@ def cmd_parity(args) -> int:
     return 0 if ok else 1
 
 
+def cmd_eval(args) -> int:
+    from kvedge.bench.eval import evaluate
+    from kvedge.runtime.calibration import CALIBRATION_ROW, heldout_rows
+
+    export_dir, ckpt = _resolve(args.path)
+    name = args.backend if args.backend != "auto" else ("onnxruntime" if export_dir else "torch")
+    session = _sessions(args, export_dir, ckpt, [name], CALIBRATION_ROW, args.batch)[name]()
+    ref = Path(args.reference) if args.reference else ckpt if name != "torch" else None
+    reference = _sessions(args, None, ref, ["torch"], CALIBRATION_ROW, args.batch)["torch"]() if ref else None
+    rows, text = heldout_rows(export_dir or ckpt, session.cfg, args.text, args.tokens)
+    _say(args, f"evaluating {name} on {text['tokens']} tokens of the {text['text']} text"
+         + (" against torch" if reference else ""))
+    rep = evaluate(session, rows, text, reference)
+    if args.json:
+        print(json.dumps(rep.to_json(), indent=2))
+    else:
+        line = f"{name}: perplexity {rep.perplexity:.4f} over {rep.predicted_tokens} predicted tokens"
+        if reference is not None:
+            line += (f"; torch (reference) {rep.reference_perplexity:.4f}; top-1 agreement {rep.top1_agreement:.1%}, "
+                     f"mean cosine {rep.mean_cosine:.6f}")
+        print(line)
+    return 0
+
+
 def cmd_plan(args) -> int:
     from kvedge.bench.plan import DEVICES, plan
     from kvedge.models import load_config
@@ -342,9 +426,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--debug", action="store_true", help="show tracebacks on errors")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    s = sub.add_parser("demo", help="run the pipeline on the built-in demo model (no download)")
+    s = sub.add_parser("demo", help="run the pipeline on a real GGUF model (--model) or the built-in random one",
+                       description="Nothing is downloaded: `make demo` fetches the pinned real model at setup and "
+                                   "passes it as --model.")
+    s.add_argument("--model", metavar="FILE.gguf", help="a GGUF model (make demo: SmolLM2-135M-Instruct Q4_1); "
+                   "default: the built-in random-weight demo checkpoint")
     s.add_argument("--out", default="demo", help="working folder (default: ./demo)")
-    s.add_argument("--prompt", default="Once upon a time", help="prompt text")
+    s.add_argument("--prompt", default=DEMO_PROMPT, help="prompt text (with --model: a chat question, default "
+                   "'What is the capital of France?')")
     s.add_argument("--max-new-tokens", type=int, default=64)
     s.add_argument("--threads", type=int, default=0, help="CPU threads (default: the runtime's choice)")
     s.add_argument("--quiet", action="store_true", help="no progress lines")
@@ -410,10 +499,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "bytes, symmetric per layer, KV head and channel, scales calibrated on --calibration-text "
                         "(docs/quantization.md)")
     s.add_argument("--calibration-text", metavar="FILE",
-                   help="UTF-8 text for GPTQ and int8 KV calibration and the perplexity report (default: a built-in "
-                        "English text)")
+                   help="UTF-8 text for GPTQ and int8 KV calibration (default: a built-in English text)")
     s.add_argument("--calibration-tokens", type=int, default=2048, metavar="N",
-                   help="use at most N tokens of the calibration text (default 2048)")
+                   help="use at most N tokens of the calibration (and evaluation) text (default 2048)")
+    s.add_argument("--eval-text", metavar="FILE",
+                   help="UTF-8 text the quality report (perplexity, top-1 against the unquantized model) measures on; "
+                        "default: a built-in English text disjoint from the calibration text")
     s.add_argument("--group-size", type=int, default=32, help="quantization group size (default 32)")
     s.add_argument("--quantize-lm-head", action="store_true",
                    help="quantize the lm_head too (tied embeddings: a quantized copy; the embedding stays fp)")
@@ -458,6 +549,24 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--quiet", action="store_true")
     s.set_defaults(fn=cmd_parity)
 
+    s = sub.add_parser("eval", help="quality on held-out text: perplexity, and top-1 / cosine against torch",
+                       description="Each position teacher-forced through the backend's cache, rows of at most 256 "
+                                   "tokens. The reference is the export's source checkpoint (or --reference) on the "
+                                   "torch backend; a checkpoint or GGUF file on another backend is compared with "
+                                   "itself on torch.")
+    s.add_argument("path", help="export folder, checkpoint folder or .gguf file")
+    s.add_argument("--backend", default="auto", choices=("auto", *BACKENDS),
+                   help="auto (default): onnxruntime for an export folder, torch otherwise")
+    s.add_argument("--text", metavar="FILE", help="UTF-8 text (default: kvedge's built-in held-out English text, "
+                   "disjoint from the calibration text)")
+    s.add_argument("--tokens", type=int, default=2048, help="at most this many tokens of it (default 2048)")
+    s.add_argument("--reference", help="checkpoint to compare against (default: the export's source checkpoint)")
+    s.add_argument("--batch", type=int, default=4, help="rows evaluated together (default 4)")
+    s.add_argument("--threads", type=int, default=0)
+    s.add_argument("--json", action="store_true")
+    s.add_argument("--quiet", action="store_true")
+    s.set_defaults(fn=cmd_eval)
+
     s = sub.add_parser("plan", help="memory plan: weights + KV cache + activations against a device")
     s.add_argument("model", help="checkpoint directory or config.json")
     from kvedge.bench.plan import DEVICES
@@ -497,6 +606,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true")
     s.set_defaults(fn=cmd_doctor)
 
+    s = sub.add_parser("import-gguf", help="write a GGUF file as a Hugging Face folder (config, safetensors, tokenizer)",
+                       description="Weights are the file's values (quantized tensors dequantized exactly, to float32). "
+                                   "Every other command also takes the .gguf file directly.")
+    s.add_argument("gguf", help="the .gguf file")
+    s.add_argument("-o", "--out", required=True, help="output folder")
+    s.add_argument("--force", action="store_true", help="write into a non-empty folder")
+    s.set_defaults(fn=cmd_import_gguf)
+
     s = sub.add_parser("make-demo", help="write the built-in demo checkpoint (Hugging Face format) to DIR")
     s.add_argument("dir")
     s.add_argument("--preset", default="demo", choices=("demo", "smollm2-135m"),
@@ -511,6 +628,21 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+LIBRARIES = ("onnxruntime", "tensorrt")  # what they raise during a command is reported as one line too
+
+
+def raised_by(e: BaseException) -> str | None:
+    """The library of LIBRARIES that raised `e`: its exception type is that library's (onnxruntime's Fail,
+    InvalidArgument, ...), or its innermost frame runs that library's Python code (onnxruntime's run_with_iobinding
+    raises a plain RuntimeError, tensorrt.plugin a ValueError). None otherwise: kvedge's own bugs keep their
+    traceback."""
+    tb = e.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    frame = tb.tb_frame.f_globals.get("__name__", "") if tb is not None else ""
+    return next((m for m in (type(e).__module__.split(".")[0], frame.split(".")[0]) if m in LIBRARIES), None)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -519,6 +651,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.debug:
             raise
         print(f"kvedge: error: {e}", file=sys.stderr)
+        return 2
+    except Exception as e:
+        library = raised_by(e)
+        if library is None or args.debug:
+            raise
+        message = " ".join(str(e).split())  # one line
+        print(f"kvedge: error: {library}: {message} (--debug shows the traceback)", file=sys.stderr)
         return 2
 
 

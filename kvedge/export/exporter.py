@@ -138,19 +138,22 @@ def export(model_dir: str | Path, out_dir: str | Path, options: ExportOptions | 
     cfg = load_config(model_dir)
     low = lowerings.get(o.attention)
     prepare.check_options(model_dir, out_dir, o, cfg, low)
-    pre = prepare.check_prequantized(model_dir, o, low)
+    prepare.check_prequantized(model_dir, o, low)  # an AWQ / GPTQ config, before the weights are read
     if out_dir.exists():
         (out_dir / SIDECAR).unlink(missing_ok=True)  # never leave a stale sidecar next to new files
     out_dir.mkdir(parents=True, exist_ok=True)
 
     say(f"loading {model_dir} ({cfg.arch}, {cfg.num_layers} layers, {cfg.num_heads}/{cfg.num_kv_heads} heads)")
     decoder = load_decoder(model_dir, dtype=torch_dtype(o.dtype))
-    quant, text = prepare.quantize(decoder, model_dir, o, say) if o.quantize else (None, None)
-    if pre is not None:  # AWQ / GPTQ checkpoint: the loader already made its QuantLinears
-        quant = prepare.prequantized_record(decoder, o, say)
+    pre = getattr(decoder, "prequantized", None)  # AWQ / GPTQ / GGUF: the loader made its QuantLinears
+    if pre is not None:
+        prepare.check_loaded_quant(decoder, o, low)
+        quant, calibration = prepare.prequantized_record(decoder, o, say), None
+    else:
+        quant, calibration = prepare.quantize(decoder, model_dir, o, say) if o.quantize else (None, None)
     kv_scales, cache_record = None, {}
     if o.kv_dtype == "int8":
-        kv_scales, cache_record, text = prepare.calibrate_kv(decoder, model_dir, o, text, say)
+        kv_scales, cache_record, calibration = prepare.calibrate_kv(decoder, model_dir, o, calibration, say)
     say(f"tracing to ONNX: lowering {low.name!r}, opset {low.opset}, {o.dtype}, max_seq_len {o.max_seq_len}"
         + (", int8 KV cache" if kv_scales is not None else ""))
     proto = to_onnx(decoder, low.name, o.max_seq_len, kv_scales)
@@ -162,6 +165,10 @@ def export(model_dir: str | Path, out_dir: str | Path, options: ExportOptions | 
     tmp_path.replace(onnx_path)
     say("onnx.checker (full check, shape inference)")
     check_onnx(onnx_path)
+    if model_dir.suffix.lower() == ".gguf":  # the file's own tokenizer and chat template, as Hugging Face files
+        from kvedge.models.gguf_vocab import write_tokenizer_files
+
+        write_tokenizer_files(model_dir, out_dir)
     for name in TOKENIZER_FILES:
         if (model_dir / name).is_file():
             shutil.copy2(model_dir / name, out_dir / name)
@@ -188,6 +195,7 @@ def export(model_dir: str | Path, out_dir: str | Path, options: ExportOptions | 
         tolerance = o.tolerance
         if tolerance is None and quant and o.accuracy_level:
             tolerance = {"max_rel": None, "min_cosine": 0.999}  # int8 activations: compared by cosine only
+        text = prepare.evaluation_rows(model_dir, decoder, o) if quant or kv_scales is not None else None
         report = verify(decoder, out_dir, sidecar, o.verify_prompt_len, o.verify_steps, tolerance=tolerance,
                         fp_reference=reference, allow_degraded=o.allow_degraded, text=text, kv_scales=kv_scales)
         sidecar.verification = report

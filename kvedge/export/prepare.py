@@ -13,7 +13,7 @@ from kvedge.errors import KvedgeError
 from kvedge.export.lowerings import Lowering
 from kvedge.models import Decoder
 from kvedge.models.quant import QUANT_BITS
-from kvedge.runtime.calibration import calibration_rows
+from kvedge.runtime.calibration import calibration_rows, heldout_rows
 
 QUANT_METHODS = {"rtn": "round-to-nearest", "gptq": "GPTQ"}
 
@@ -33,7 +33,8 @@ class ExportOptions:
     quant_method: str = "rtn"  # "rtn" (round-to-nearest) | "gptq" (error-compensating, calibrated on text)
     symmetric: bool = False  # zero points at the midpoint: the signed form TensorRT's weight-only path builds
     calibration_text: str | None = None  # a UTF-8 text file; None: the built-in kvedge/models/calibration.txt
-    calibration_tokens: int = 2048  # at most this many tokens of it (GPTQ calibration and the perplexity)
+    calibration_tokens: int = 2048  # at most this many tokens of it (and of the evaluation text)
+    eval_text: str | None = None  # a UTF-8 text file the quality report measures on; None: built-in heldout.txt
     group_size: int = 32
     quantize_lm_head: bool = False
     allow_degraded: bool = False  # a quantized export below its top-1 threshold is written anyway
@@ -47,7 +48,7 @@ def check_options(model_dir: Path, out_dir: Path, o: ExportOptions, cfg, low: Lo
     reasons = low.unsupported(cfg)
     if reasons:
         raise KvedgeError(f"the {low.name!r} lowering cannot express this {cfg.arch} model: {'; '.join(reasons)}. "
-                          f"Use --attention decomposed (or ort)")
+                          f"Use --attention {' or '.join(n for n in ('decomposed', 'ort') if n != low.name)}")
     if o.kv_dtype is not None:
         if o.kv_dtype not in KV_DTYPES:
             raise KvedgeError(f"--kv-dtype {o.kv_dtype!r}: expected one of {', '.join(KV_DTYPES)}")
@@ -58,8 +59,9 @@ def check_options(model_dir: Path, out_dir: Path, o: ExportOptions, cfg, low: Lo
         if reasons:
             raise KvedgeError(f"the {low.name!r} lowering cannot export an {o.kv_dtype} KV cache: {'; '.join(reasons)}")
     if o.quantize or o.kv_dtype == "int8":  # both run the model on the calibration text
-        if o.calibration_text is not None and not Path(o.calibration_text).is_file():
-            raise KvedgeError(f"--calibration-text {o.calibration_text}: no such file")
+        for flag, f in (("--calibration-text", o.calibration_text), ("--eval-text", o.eval_text)):
+            if f is not None and not Path(f).is_file():
+                raise KvedgeError(f"{flag} {f}: no such file")
         if o.calibration_tokens < 2:
             raise KvedgeError(f"--calibration-tokens {o.calibration_tokens}: expected at least 2")
     if o.max_seq_len < 2 or o.max_batch < 1:
@@ -150,8 +152,30 @@ def prequantized_record(decoder: Decoder, o: ExportOptions, say: Callable[[str],
         if isinstance(m, QuantLinear):
             m.accuracy_level = o.accuracy_level
     record = {**decoder.prequantized, "accuracy_level": o.accuracy_level}
-    say(f"pre-quantized checkpoint: {record['linears']} {record['method']} linears, {record['scheme']}, repacked "
-        f"to MatMulNBits without dequantizing")
+    say(f"pre-quantized model: {record['linears']} {record['method']} linears, {record['scheme']}, kept as they "
+        f"are (no re-rounding)")
     return record
 
 
+def check_loaded_quant(decoder: Decoder, o: ExportOptions, low: Lowering) -> None:
+    """Refuse, before tracing, what the lowering cannot hold of a model that came quantized (AWQ / GPTQ / GGUF):
+    --quantize on top of it, its bit widths, and affine blocks (a GGUF file's Q4_1 / Q4_K / Q5_K)."""
+    from kvedge.models.quant import QuantLinear
+
+    what = decoder.prequantized["method"]
+    if o.quantize:
+        raise KvedgeError(f"this model is already quantized ({what}, {decoder.prequantized['scheme']}): drop "
+                          f"--quantize, it exports as it is")
+    quant = [m for m in decoder.modules() if isinstance(m, QuantLinear)]
+    reasons = [r for b in sorted({m.bits for m in quant}) for r in low.unsupported_quant(b)]
+    bits = sorted({m.bits for m in quant if m.mins is not None})
+    reasons += [r for b in bits for r in low.affine_refusals(b)]
+    if reasons:
+        raise KvedgeError(f"the {low.name!r} lowering cannot export this {what} model's quantized weights: "
+                          f"{'; '.join(dict.fromkeys(reasons))}")
+
+
+def evaluation_rows(model_dir: Path, decoder: Decoder, o: ExportOptions):
+    """(token rows, what they are) of the text a quantized export's quality is measured on: never the
+    calibration text (GPTQ and the int8 cache's scales are fitted to that one)."""
+    return heldout_rows(model_dir, decoder.cfg, o.eval_text, o.calibration_tokens)

@@ -133,9 +133,19 @@ class ModelConfig:
         return _from_hf(hf, source)
 
 
+def is_checkpoint(path: str | Path) -> bool:
+    """A model kvedge loads weights from: a Hugging Face folder (config.json) or a GGUF file."""
+    path = Path(path)
+    return path.suffix.lower() == ".gguf" and path.is_file() or (path / "config.json").is_file()
+
+
 def load_config(model_dir: str | Path) -> ModelConfig:
-    """Read `config.json` from a checkpoint directory (or a path to a config file)."""
+    """Read `config.json` from a checkpoint directory (or a path to a config file), or a GGUF file's metadata."""
     path = Path(model_dir)
+    if path.suffix.lower() == ".gguf":
+        from kvedge.models import gguf
+
+        return gguf.load_config(path)
     if path.is_dir():
         path = path / "config.json"
     if not path.is_file():

@@ -236,8 +236,12 @@ def _check(cfg: ModelConfig, tmap: dict[str, Source], shapes: dict[str, tuple[in
 
 def load_decoder(model_dir: str | Path, dtype: str | torch.dtype | None = None,
                  device: str | torch.device = "cpu", allow_bin: bool = False) -> Decoder:
-    """Build the Decoder of a local checkpoint directory, in the checkpoint's dtype or `dtype`."""
+    """Build the Decoder of a local checkpoint directory (or a GGUF file), in the checkpoint's dtype or `dtype`."""
     model_dir = Path(model_dir)
+    if model_dir.suffix.lower() == ".gguf":
+        from kvedge.models import gguf
+
+        return gguf.load_decoder(model_dir, dtype=dtype, device=device)
     cfg = load_config(model_dir)
     want = torch_dtype(dtype) or (TORCH[cfg.dtype] if cfg.dtype in FLOAT_NAMES else torch.float32)
     ckpt = _Checkpoint(model_dir, allow_bin)

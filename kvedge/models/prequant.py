@@ -63,6 +63,8 @@ class PrequantSpec:
 def read_spec(model_dir: str | Path) -> PrequantSpec | None:
     """The quantization_config of a checkpoint's config.json, checked; None when the checkpoint has none."""
     path = Path(model_dir)
+    if path.suffix.lower() == ".gguf":
+        return None  # a GGUF file's quantized weights are read by kvedge.models.gguf
     path = path / "config.json" if path.is_dir() else path
     try:
         hf = json.loads(path.read_text(encoding="utf-8"))

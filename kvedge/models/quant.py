@@ -97,10 +97,16 @@ def quantize(w: torch.Tensor, bits: int, group: int, symmetric: bool = False
     return pack(quantize_values(wg, scale[..., None], zero[..., None], bits), scale, zero, bits)
 
 
-def dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int, k: int) -> torch.Tensor:
+def dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int, k: int,
+               mins: torch.Tensor | None = None) -> torch.Tensor:
+    """The float32 weights [N, K]: (q - zero) * scale, or with `mins` (GGUF's affine blocks: Q4_1, Q4_K, Q5_K)
+    q * scale + min, each in float32 as gguf.quants.dequantize computes it."""
     n, nb = qweight.shape[0], qweight.shape[1]
     group = k // nb
     q = unpack4(qweight, group) if bits == 4 else qweight
+    if mins is not None:
+        return (q.float() * scales.float().reshape(n, nb)[..., None] + mins.float().reshape(n, nb)[..., None]
+                ).reshape(n, k)
     z = unpack_zeros(zeros, bits, n, nb)
     return dequantize_values(q, scales.reshape(n, nb)[..., None], z[..., None]).reshape(n, k)
 
@@ -117,15 +123,15 @@ def dequantize_values(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) 
 
 @torch.library.custom_op("kvedge::qlinear", mutates_args=())
 def qlinear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int,
-            k: int, accuracy_level: int) -> torch.Tensor:
+            k: int, accuracy_level: int, mins: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ dequantize(W).T -> [..., N] (the reference: dequantize, then matmul in x's dtype).
     accuracy_level is a lowering hint (MatMulNBits: 4 computes with int8 activations); the reference
-    ignores it."""
-    return torch.nn.functional.linear(x, dequantize(qweight, scales, zeros, bits, k).to(x.dtype))
+    ignores it. mins: per-group additive terms of an affine block (then zeros is unused)."""
+    return torch.nn.functional.linear(x, dequantize(qweight, scales, zeros, bits, k, mins).to(x.dtype))
 
 
 @qlinear.register_fake
-def _(x, qweight, scales, zeros, bits, k, accuracy_level):
+def _(x, qweight, scales, zeros, bits, k, accuracy_level, mins=None):
     return x.new_empty((*x.shape[:-1], qweight.shape[0]))
 
 
@@ -135,8 +141,12 @@ PROJECTIONS = ("qkv", "o", "up", "down")  # the linears of a Block, in the order
 
 class QuantLinear(nn.Module):
     def __init__(self, linear: nn.Linear, bits: int, group: int, accuracy_level: int = 0,
-                 packed: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None, symmetric: bool = False):
-        """packed: (qweight, scales, zeros) already quantized (e.g. by GPTQ); None: round-to-nearest."""
+                 packed: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None, symmetric: bool = False,
+                 mins: torch.Tensor | None = None):
+        """packed: (qweight, scales, zeros) already quantized (e.g. by GPTQ, or read from a GGUF file); None:
+        round-to-nearest. mins [N * K / group] float32: an affine block, w = q * scale + min (GGUF's Q4_1,
+        Q4_K, Q5_K), kept as the file has it; zeros is then empty. Scales (and mins) are kept in float32
+        where the linear is float32, so a file's exact values stay exact."""
         super().__init__()
         self.bits, self.group, self.accuracy_level = bits, group, accuracy_level
         self.in_features, self.out_features = linear.in_features, linear.out_features
@@ -144,11 +154,13 @@ class QuantLinear(nn.Module):
         self.register_buffer("qweight", q)
         self.register_buffer("scales", s.to(linear.weight.dtype))
         self.register_buffer("zeros", z)
+        self.register_buffer("mins", None if mins is None else mins.to(linear.weight.dtype))
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mins = None if self.mins is None else self.mins.to(x.dtype)
         y = torch.ops.kvedge.qlinear(x, self.qweight, self.scales.to(x.dtype), self.zeros, self.bits,
-                                     self.in_features, self.accuracy_level)
+                                     self.in_features, self.accuracy_level, mins)
         return y if self.bias is None else y + self.bias
 
 

@@ -16,8 +16,8 @@ def load(path: str | Path, backend: str = "auto", *, max_batch: int | None = Non
          threads: int = 0, providers: list[str] | None = None, device: str | None = None,
          dtype: str | None = None, chunk_size: int = 512, quantize: str | None = "int4",
          kv_dtype: str | None = None) -> Session:
-    """Open a session. `path` is an export folder (kvedge.json; backend onnxruntime or tensorrt) or a Hugging
-    Face checkpoint (config.json; backend torch, or native). backend="auto" picks by what the folder holds.
+    """Open a session. `path` is an export folder (kvedge.json; backend onnxruntime or tensorrt), a Hugging
+    Face checkpoint (config.json) or a GGUF file (backend torch, or native). backend="auto" picks by what the folder holds.
     quantize: the native backend's weights (int4, int8, or None for float32; see NativeBackend).
     kv_dtype: "int8" for an int8 cache calibrated on the built-in text (torch and native backends; an
     export's cache dtype is fixed at export)."""
@@ -28,7 +28,7 @@ def load(path: str | Path, backend: str = "auto", *, max_batch: int | None = Non
     be = info.open(path, backends.LoadOptions(max_batch=max_batch, max_seq_len=max_seq_len, threads=threads,
                                               providers=providers, device=device, dtype=dtype, quantize=quantize,
                                               kv_dtype=kv_dtype))
-    tokenizer = Tokenizer(path) if (path / "tokenizer.json").is_file() else None
+    tokenizer = Tokenizer(path) if path.suffix == ".gguf" or (path / "tokenizer.json").is_file() else None
     return Session(be, tokenizer, chunk_size=chunk_size)
 
 

@@ -19,26 +19,39 @@ KV_SCALE_MARGIN = 1.5
 
 
 def calibration_rows(model_dir: Path, cfg, text_file: str | None, tokens: int) -> tuple[torch.Tensor, dict]:
-    """The calibration text as token rows [R, L] (L <= CALIBRATION_ROW and the model's positions), and
-    what they are. Tokenized by the checkpoint's tokenizer.json, else as UTF-8 bytes modulo the vocabulary."""
+    """The calibration text (GPTQ, int8 cache scales) as token rows: text_rows of the built-in calibration.txt."""
+    return text_rows(model_dir, cfg, text_file, tokens, "calibration.txt")
+
+
+def heldout_rows(model_dir: Path, cfg, text_file: str | None, tokens: int) -> tuple[torch.Tensor, dict]:
+    """The evaluation text as token rows: text_rows of the built-in heldout.txt, which calibration never sees."""
+    return text_rows(model_dir, cfg, text_file, tokens, "heldout.txt")
+
+
+def text_rows(model_dir: Path, cfg, text_file: str | None, tokens: int, builtin: str) -> tuple[torch.Tensor, dict]:
+    """A text as token rows [R, L] (L <= CALIBRATION_ROW and the model's positions), and what they are: the file,
+    or kvedge's built-in one (kvedge/models/`builtin`). Tokenized by the model's tokenizer (tokenizer.json, or
+    a GGUF file's own), else as UTF-8 bytes modulo the vocabulary."""
+    model_dir = Path(model_dir)
     if text_file is None:
         from importlib import resources
 
-        text, source = resources.files("kvedge.models").joinpath("calibration.txt").read_text("utf-8"), "built-in"
+        text, source = resources.files("kvedge.models").joinpath(builtin).read_text("utf-8"), f"built-in {builtin}"
     else:
         text, source = Path(text_file).read_text("utf-8"), str(Path(text_file).resolve())
-    if (model_dir / "tokenizer.json").is_file():
+    if (model_dir / "tokenizer.json").is_file() or model_dir.suffix == ".gguf":
         from kvedge.runtime.tokenizer import Tokenizer
 
-        ids, how = Tokenizer(model_dir).encode(text, add_special_tokens=False), "tokenizer.json"
+        how = "gguf metadata" if model_dir.suffix == ".gguf" else "tokenizer.json"
+        ids = Tokenizer(model_dir).encode(text, add_special_tokens=False)
         if ids and max(ids) >= cfg.vocab_size:
-            raise KvedgeError(f"{model_dir / 'tokenizer.json'} gives token id {max(ids)} for the calibration text, "
+            raise KvedgeError(f"the tokenizer of {model_dir} gives token id {max(ids)} for the text {source}, "
                               f"outside the model's vocabulary ({cfg.vocab_size})")
     else:
         ids, how = [b % cfg.vocab_size for b in text.encode("utf-8")], "utf-8 bytes modulo the vocabulary"
     row = min(CALIBRATION_ROW, cfg.max_position_embeddings, len(ids))
     if row < 2:
-        raise KvedgeError(f"calibration text {source}: {len(ids)} tokens, need at least 2")
+        raise KvedgeError(f"text {source}: {len(ids)} tokens, need at least 2")
     n = max(1, min(tokens, len(ids)) // row)
     rows = torch.tensor(ids[:n * row]).reshape(n, row)
     return rows, {"text": source, "tokenizer": how, "tokens": n * row, "rows": n, "row_length": row}

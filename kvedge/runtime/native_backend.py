@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from kvedge.errors import KvedgeError, MissingDependencyError
-from kvedge.models import load_decoder, rope
+from kvedge.models import is_checkpoint, load_decoder, rope
 from kvedge.models.quant import QUANT_BITS, QuantLinear, lm_head_linear, quantize_decoder, unpack_zeros
 from kvedge.runtime.backend import CacheList
 
@@ -42,7 +42,7 @@ class Linear(ctypes.Structure):
     _c_struct_ = "kv_linear"  # the C struct this mirrors, field for field (check_layout)
     _fields_ = [("n", ctypes.c_int32), ("k", ctypes.c_int32), ("bits", ctypes.c_int32), ("sym", ctypes.c_int32),
                 ("zsym", ctypes.c_float), ("q", ctypes.c_void_p), ("s", ctypes.c_void_p), ("z", ctypes.c_void_p),
-                ("w", ctypes.c_void_p), ("bias", ctypes.c_void_p)]
+                ("zf", ctypes.c_void_p), ("w", ctypes.c_void_p), ("bias", ctypes.c_void_p)]
 
 
 class Layer(ctypes.Structure):
@@ -131,6 +131,7 @@ def compile_engine(flags: tuple[str, ...] = FLAGS, cache_dir: str | Path | None 
     check_layout(dll)
     dll.kv_stride.argtypes = [ctypes.c_int]
     dll.kv_pack.argtypes = [ctypes.POINTER(Linear), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+    dll.kv_pack_zf.argtypes = [ctypes.POINTER(Linear), ctypes.c_void_p, ctypes.c_int]
     dll.kv_linear_forward.argtypes = [ctypes.POINTER(Linear), ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
                                       ctypes.c_int]
     dll.kv_scratch_bytes.argtypes = [ctypes.POINTER(Model), ctypes.c_int, ctypes.c_int, ctypes.c_int]
@@ -155,21 +156,23 @@ class _Keep:
 
 
 def pack_linear(dll: ctypes.CDLL, mod: nn.Module, keep: _Keep) -> Linear:
-    """A QuantLinear (its MatMulNBits bytes, read in place) or a float nn.Linear as the engine's Linear."""
+    """A QuantLinear (its MatMulNBits bytes, read in place) or a float nn.Linear as the engine's Linear. An
+    affine QuantLinear (`mins`: w = q * scale + min, GGUF's Q4_1) runs with float zero points -min / scale."""
     bias = getattr(mod, "bias", None)
     bias = keep(None if bias is None else bias.detach().float().contiguous())
     if not isinstance(mod, QuantLinear):
-        return Linear(mod.out_features, mod.in_features, 32, 1, 0.0, 0, 0, 0,
-                      keep(mod.weight.detach().float().contiguous()), bias)
+        return Linear(n=mod.out_features, k=mod.in_features, bits=32, sym=1,
+                      w=keep(mod.weight.detach().float().contiguous()), bias=bias)
     n, k, bits = mod.out_features, mod.in_features, mod.bits
     groups = mod.qweight.shape[1]
     group = k // groups
     if k % 32 or group % 32:
         raise KvedgeError(f"the native engine works on groups that are multiples of 32 channels; this linear has "
                           f"{k} inputs in groups of {group}")
-    zeros = unpack_zeros(mod.zeros, bits, n, groups).contiguous()
+    mins = getattr(mod, "mins", None)
+    zeros = None if mins is not None else unpack_zeros(mod.zeros, bits, n, groups).contiguous()
     mid = 2 ** (bits - 1)
-    sym = bool((zeros == mid).all())
+    sym = mins is None and bool((zeros == mid).all())
     scales = mod.scales.float().contiguous()
     half = scales.half()  # the engine keeps scales in 16 bits; kvedge's quantizer (and AWQ / GPTQ) make them so
     if not torch.equal(half.float(), scales):
@@ -177,12 +180,42 @@ def pack_linear(dll: ctypes.CDLL, mod: nn.Module, keep: _Keep) -> Linear:
                           f"cannot hold exactly; quantize it with kvedge.models.quant (which rounds them up to "
                           f"float16 values)")
     stride = dll.kv_stride(k)  # per-sub-block figures per row, padded to whole chunks of 8
-    s, z = torch.empty(n * stride, dtype=torch.int16), torch.empty(0 if sym else n * stride, dtype=torch.uint8)
-    lin = Linear(n, k, bits, int(sym), float(mid), keep(mod.qweight.contiguous()), keep(s), keep(z) if not sym else 0,
-                 0, bias)
-    if dll.kv_pack(ctypes.byref(lin), keep(half.view(torch.int16)), keep(zeros), group):
+    s = torch.empty(n * stride, dtype=torch.int16)
+    zf = None
+    if mins is not None:
+        half, zf = _affine_zero_points(mod, n, k, groups, half, mins)
+    z = None if sym or zf is not None else torch.empty(n * stride, dtype=torch.uint8)
+    lin = Linear(n, k, bits, int(sym), float(mid), keep(mod.qweight.contiguous()), keep(s), keep(z),
+                 keep(None if zf is None else torch.empty(n * stride, dtype=torch.float32)), 0, bias)
+    if dll.kv_pack(ctypes.byref(lin), keep(half.view(torch.int16)), keep(zeros), group) or (
+            zf is not None and dll.kv_pack_zf(ctypes.byref(lin), keep(zf), group)):
         raise KvedgeError(f"kv_pack refused a {n}x{k} linear in groups of {group}")
     return lin
+
+
+def _affine_zero_points(mod: QuantLinear, n: int, k: int, groups: int, half: torch.Tensor, mins: torch.Tensor
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """An affine block's (float16 scales, float32 zero points -min / scale) per group, [n * groups] each, for the
+    engine's sw * (q - z): q * scale + min up to float rounding. A group of scale 0 (a constant block: GGUF's
+    quantizer stores q = 0 there) runs with scale 1 and zero point -min; one whose integers are not all 0 is
+    refused (its weights are min whatever q is, which no zero point can give)."""
+    scales = half.float().reshape(n, groups)
+    mins = mins.float().reshape(n, groups)
+    flat = scales == 0  # (NaN was refused as not float16-exact)
+    if bool(flat.any()):
+        q = mod.qweight.reshape(n, groups, -1)
+        if bool((q[flat] != 0).any()) or not bool(torch.isfinite(mins[flat]).all()):
+            raise KvedgeError(f"the native engine runs affine blocks as scale * (q + min / scale) and this {n}x{k} "
+                              f"linear has a group of scale 0 with nonzero integers (or a non-finite min); "
+                              f"run it as a float32 nn.Linear (kvedge.models.quant.dequantize) instead")
+        scales = torch.where(flat, torch.ones_like(scales), scales)
+        half = scales.half().reshape(-1)
+    zf = (-mins / scales).reshape(-1).contiguous()
+    if not bool(torch.isfinite(zf).all()):
+        raise KvedgeError(f"the native engine runs affine blocks as scale * (q + min / scale) and this {n}x{k} "
+                          f"linear has a min / scale float32 cannot hold; run it as a float32 nn.Linear "
+                          f"(kvedge.models.quant.dequantize) instead")
+    return half.contiguous(), zf
 
 
 def unsupported(cfg) -> list[str]:
@@ -212,10 +245,17 @@ class NativeBackend(CacheList):
         calibrated here on the built-in text through the (quantized) model, as `kvedge export --kv-dtype
         int8` does; new K/V are quantized on write and attention reads them dequantized, as the reference op."""
         if model is None:
-            if not (Path(model_dir) / "config.json").is_file():
-                raise KvedgeError(f"{model_dir}: the native backend loads a Hugging Face checkpoint (config.json)")
+            if not is_checkpoint(model_dir):
+                raise KvedgeError(f"{model_dir}: the native backend loads a Hugging Face checkpoint (config.json) "
+                                  "or a GGUF file")
             model = load_decoder(model_dir, dtype="float32")
-            if quantize and not getattr(model, "prequantized", None):
+            if getattr(model, "gguf", None):  # the file's weights as they are, its tied head on its integers too
+                from kvedge.models.gguf import tied_head
+
+                head = tied_head(model_dir, model)
+                if head is not None:
+                    model.lm_head = head
+            elif quantize and not getattr(model, "prequantized", None):
                 if quantize not in QUANT_BITS:
                     raise KvedgeError(f"quantize {quantize!r}: expected int8, int4 or None")
                 quantize_decoder(model, QUANT_BITS[quantize], group_size, lm_head=quantize_lm_head,

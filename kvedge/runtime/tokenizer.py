@@ -1,4 +1,5 @@
-"""Tokenizer: the `tokenizers` library over tokenizer.json, and the chat template of tokenizer_config.json."""
+"""Tokenizer: the `tokenizers` library over tokenizer.json, and the chat template of tokenizer_config.json;
+or the same built from a GGUF file's metadata (kvedge.models.gguf_vocab)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,11 @@ from kvedge.errors import KvedgeError, require
 
 class Tokenizer:
     def __init__(self, folder: str | Path):
+        """`folder`: a Hugging Face folder (tokenizer.json), or a .gguf file (its tokenizer.ggml.* metadata)."""
         folder = Path(folder)
+        if folder.suffix.lower() == ".gguf" and folder.is_file():
+            self._from_gguf(folder)
+            return
         path = folder / "tokenizer.json"
         if not path.is_file():
             raise KvedgeError(f"{folder}: no tokenizer.json; pass token ids instead of text, or add the tokenizer")
@@ -23,6 +28,17 @@ class Tokenizer:
         self.bos_token = self._token_text("bos_token")
         self.eos_token = self._token_text("eos_token")
         self.eos_token_id = self._tok.token_to_id(self.eos_token) if self.eos_token else None
+
+    def _from_gguf(self, path: Path) -> None:
+        from kvedge.models.gguf_vocab import read_vocab
+
+        vocab = read_vocab(path)
+        self._tok = vocab.tokenizer()  # BOS / EOS as the metadata's add_bos_token / add_eos_token say
+        self.config = vocab.tokenizer_config()
+        self.chat_template = self.config.get("chat_template")
+        self.bos_token = self._token_text("bos_token")
+        self.eos_token = self._token_text("eos_token")
+        self.eos_token_id = vocab.eos_id
 
     def _token_text(self, key: str) -> str | None:
         v = self.config.get(key)

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from kvedge.errors import KvedgeError
-from kvedge.models import KVCache, load_decoder
+from kvedge.models import KVCache, is_checkpoint, load_decoder
 
 
 class TorchBackend:
@@ -21,7 +21,7 @@ class TorchBackend:
     def __init__(self, model_dir: str | Path, max_batch: int = 4, max_seq_len: int = 2048,
                  dtype: str | None = None, device: str | None = None, threads: int = 0,
                  fused_attention: bool = True, kv_dtype: str | None = None, kv_scales=None):
-        if not (Path(model_dir) / "config.json").is_file():
+        if not is_checkpoint(model_dir):
             raise KvedgeError(f"{model_dir}: the torch backend needs the Hugging Face checkpoint (config.json + "
                               f"safetensors); an export folder holds only the ONNX graph")
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")

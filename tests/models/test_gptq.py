@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kvedge.export import ExportOptions, export
-from kvedge.runtime.calibration import calibration_rows
+from kvedge.runtime.calibration import calibration_rows, heldout_rows
 from kvedge.export.verify import compare_on_text, perplexity
 from kvedge.models import load_config, load_decoder
 from kvedge.models.gptq import gptq_quantize
@@ -96,15 +96,15 @@ def test_int4_gptq_export_keeps_top1_of_a_trained_tiny_llama(trained_llama, tmp_
     assert cal["tokenizer"].startswith("utf-8 bytes") and cal["tokens"] == cal["rows"] * cal["row_length"] > 1000
     assert cal["output_error"] < 0.7 * cal["rtn_output_error"]  # measured 3.2% against 6.2%
 
-    # round-to-nearest on the same model and text, in PyTorch. Teacher-forced on the text GPTQ measured
-    # top-1 95.4% / mean cosine 0.9997 / perplexity 7.719 -> 7.743, RTN 90.1% / 0.9986 / 7.719 -> 7.782.
-    # Perplexity differences this small are within what luck gives either method, so only the two
-    # steadier figures are compared.
-    rows, _ = calibration_rows(trained_llama, load_config(trained_llama), None, 2048)
+    # round-to-nearest on the same model, in PyTorch, teacher-forced on the held-out text the export's report
+    # measured on (never the calibration text GPTQ fitted). Perplexity differences this small are within
+    # what luck gives either method, so only the two steadier figures are compared.
+    rows, what = heldout_rows(trained_llama, load_config(trained_llama), None, 2048)
     rtn_model = load_decoder(trained_llama)
     quantize_decoder(rtn_model, 4, 32)
     rtn = compare_on_text(rtn_model, load_decoder(trained_llama), rows)
     text = gptq["on_text"]
+    assert text["text"] == what["text"] == "built-in heldout.txt" != cal["text"]
     assert text["reference_perplexity"] == pytest.approx(rtn["reference_perplexity"])
     assert text["top1_agreement"] > rtn["top1_agreement"] and text["mean_cosine"] > rtn["mean_cosine"]
 

@@ -3,7 +3,8 @@
 - Its quantized linear equals, within float rounding, the formula written out here: activations rounded
   to int8 per 32 channels (scale max|x| / 127, half to even) times the dequantized weights, for INT4 and
   INT8, symmetric and asymmetric groups of 32/64/128, and every tail shape of the 8-sub-block kernel;
-  for the AVX-VNNI build, an AVX2 build without VNNI and the portable C build.
+  for the AVX-VNNI build, an AVX2 build without VNNI and the portable C build. Affine blocks (GGUF's
+  Q4_1: w = q * d + m with float16 d and m) too, run with float zero points -m / d.
 - The whole engine equals kvedge's PyTorch Decoder (itself checked against transformers) running the
   same quantized weights with the same activation rounding, for every architecture it supports; and
   in float32 it equals the PyTorch model and its greedy tokens, ragged batches and chunked prefill.
@@ -21,7 +22,7 @@ import torch
 
 from kvedge.errors import KvedgeError
 from kvedge.models import KVCache, load_decoder
-from kvedge.models.quant import QuantLinear, dequantize, quantize_decoder
+from kvedge.models.quant import QuantLinear, dequantize, lm_head_linear, pack, quantize_decoder
 from kvedge.runtime import Session, load
 from kvedge.runtime.native_backend import FLAGS, NativeBackend, _Keep, compile_engine, pack_linear
 from tests.conftest import ARCH_CASES, MAX_SEQ
@@ -90,6 +91,55 @@ def test_linear_equals_the_int8_activation_formula(engine, bits, symmetric, n, k
         assert (y - x @ w.T).abs().max() <= 0.03 * (x @ w.T).abs().max()
 
 
+def affine_linear(lin: torch.nn.Linear, bits: int, group: int, g: torch.Generator) -> QuantLinear:
+    """A QuantLinear of lin's shape and bias over affine blocks as GGUF's Q4_1 stores them: random integers q,
+    float16 scales d and mins m (about -d * qmax / 2, so weights q * d + m center near 0), w = q * d + m; d
+    spread around lin's own weight magnitude. Group 0 of row 0 is a constant block (d = 0, q = 0: w = m)."""
+    n, k, qmax = lin.out_features, lin.in_features, 2 ** bits - 1
+    q = torch.randint(0, qmax + 1, (n, k // group, group), generator=g).to(torch.uint8)
+    top = 2 * float(lin.weight.detach().abs().max()) / qmax
+    d = (top * (0.2 + torch.rand(n, k // group, generator=g))).half()
+    m = (-d.float() * qmax / 2 * (1 + 0.3 * torch.randn(n, k // group, generator=g))).half()
+    d[0, 0], q[0, 0] = 0, 0
+    qweight = pack(q, d.float(), torch.zeros_like(d.float()), bits)[0]
+    return QuantLinear(lin, bits, group, accuracy_level=4, mins=m.float().reshape(-1),
+                       packed=(qweight, d.float().reshape(-1), torch.empty(0, dtype=torch.uint8)))
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("n,k,group", [(24, 32, 32), (40, 576, 32), (9, 1536, 64), (8, 224, 32), (8, 416, 32),
+                                       (12, 192, 64), (8, 256, 128)])
+def test_affine_linear_equals_the_int8_activation_formula(engine, bits, n, k, group):
+    """GGUF's affine blocks run as the file has them: float zero points z = -m / d (d float16, z float32), so
+    sw * (sa * dot - z * c) is d * sa * dot + m * c up to float rounding."""
+    g = torch.Generator().manual_seed(k + n + bits)
+    mod = affine_linear(torch.nn.Linear(k, n, bias=False), bits, group, g)
+    keep = _Keep()
+    lin = pack_linear(engine, mod, keep)
+    assert lin.sym == 0 and not lin.z and lin.zf
+    w = dequantize(mod.qweight, mod.scales, mod.zeros, bits, k, mod.mins)
+    assert bool((w[0, :group] == mod.mins[0]).all())  # the constant block
+    for m in (1, 2, 3, 5):
+        x = torch.randn(m, k, generator=g) * torch.linspace(0.1, 3, k)
+        x[0, :32] = 0  # an all-zero sub-block (here the constant block's) has scale 0
+        y = torch.empty(m, n)
+        assert engine.kv_linear_forward(ctypes.byref(lin), m, x.data_ptr(), y.data_ptr(), 2) == 0
+        ref = fake_quant(x) @ w.T
+        torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
+
+
+def test_pack_refuses_affine_blocks_it_cannot_run_as_they_are(engine):
+    g = torch.Generator().manual_seed(0)
+    mod = affine_linear(torch.nn.Linear(64, 4, bias=False), 4, 32, g)
+    mod.scales[1] = 0.1  # not a float16 value
+    with pytest.raises(KvedgeError, match="float16"):
+        pack_linear(engine, mod, _Keep())
+    mod = affine_linear(torch.nn.Linear(64, 4, bias=False), 4, 32, g)
+    mod.qweight[0, 0, 3] = 0x21  # a block of scale 0 whose integers are not all 0: its weights are all m
+    with pytest.raises(KvedgeError, match="scale 0 with nonzero integers"):
+        pack_linear(engine, mod, _Keep())
+
+
 def test_pack_refuses_groups_that_are_not_whole_sub_blocks(engine):
     mod = quant_linear(torch.randn(4, 48), 4, 16, True)
     with pytest.raises(KvedgeError, match="multiples of 32"):
@@ -114,7 +164,29 @@ def test_engine_equals_the_pytorch_decoder(case, bits, symmetric, hf_checkpoint,
     model = load_decoder(path, dtype="float32")
     if bits:
         quantize_decoder(model, bits, 32, lm_head=True, accuracy_level=4, symmetric=symmetric)
+    _equals_the_decoder(case, path, model, bits, monkeypatch)
+
+
+@pytest.mark.parametrize("case", ["llama-gqa2-bias"])
+def test_engine_runs_affine_blocks_as_the_pytorch_decoder(case, hf_checkpoint, monkeypatch):
+    """Every projection and the lm_head as GGUF Q4_1-style affine blocks (float16 d and m, groups of 32;
+    biases kept): the engine's logits and caches equal the PyTorch Decoder's over the same blocks."""
+    path, _ = hf_checkpoint(case)
+    model = load_decoder(path, dtype="float32")
+    g = torch.Generator().manual_seed(1)
+    for blk in model.layers:
+        for name in ("qkv", "o", "up", "down"):
+            setattr(blk, name, affine_linear(getattr(blk, name), 4, 32, g))
+    model.lm_head = affine_linear(lm_head_linear(model), 4, 32, g)
+    _equals_the_decoder(case, path, model, 4, monkeypatch)
+
+
+def _equals_the_decoder(case, path, model, bits, monkeypatch):
+    """The engine over `model` (bits 0: float32) against the PyTorch Decoder: a ragged prefill of 3 rows, then
+    4 decode steps; logits and caches."""
     native = NativeBackend(path, max_batch=3, max_seq_len=MAX_SEQ, threads=2, model=model)
+    assert any(lin.zf for ly in native._layers for lin in (ly.qkv, ly.o)) == any(
+        getattr(blk.qkv, "mins", None) is not None for blk in model.layers)
     cache = KVCache.allocate(model.cfg, 3, MAX_SEQ, dtype=torch.float32)
     if bits:  # the reference rounds its projections' inputs as the engine does
         forward = QuantLinear.forward

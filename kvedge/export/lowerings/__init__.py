@@ -30,11 +30,21 @@ class Lowering:
     # quantized linears: kvedge::qlinear's translation, and why a bit width cannot be exported ([] if it can)
     translate_qlinear: Callable | None = None
     unsupported_quant: Callable[[int], list[str]] = _nothing
+    # affine blocks, w = q * scale + min (GGUF's Q4_1, Q4_K, Q5_K): why these bits cannot be exported; None:
+    # the lowering has no form for them
+    unsupported_affine: Callable[[int], list[str]] | None = None
     int8_cache: bool = False  # it can hold an int8 KV cache (scales as graph initializers)
     finalize: Callable | None = None  # its own rewrite of the traced ModelProto, in place
     runs_on_onnxruntime: bool = True  # export verifies the graph on ONNX Runtime's CPU provider
     min_onnxruntime: tuple[int, int] | None = None  # the oldest ONNX Runtime that runs its graphs
     plugins: tuple[str, ...] = ()  # custom ops a runtime must register before parsing (sidecar "plugins")
+
+    def affine_refusals(self, bits: int) -> list[str]:
+        """Why this lowering cannot export affine `bits`-bit blocks ([] if it can)."""
+        if self.unsupported_affine is None:
+            return [f"the {self.name!r} lowering has no form for affine blocks (q * scale + min, GGUF's Q4_1 / "
+                    "Q4_K / Q5_K); use --attention ort"]
+        return self.unsupported_affine(bits)
 
     def kv_refusals(self, kv_dtype: str | None) -> list[str]:
         """Why this lowering cannot export a `kv_dtype` cache ([] if it can). A float cache of the model's dtype

@@ -13,6 +13,7 @@ from __future__ import annotations
 from onnxscript import opset18 as op
 from onnxscript.values import Opset
 
+from kvedge.errors import KvedgeError
 from kvedge.export.lowerings import Lowering
 from kvedge.export.lowerings._common import const, drop_unused, kv_len, live, rope, visible
 from kvedge.models.config import ModelConfig
@@ -54,12 +55,14 @@ _register_placeholder()
 _placeholder = Opset(PLACEHOLDER, 1)
 
 
-def translate_qlinear(x, qweight, scales, zeros, bits: int, k: int, accuracy_level: int):
+def translate_qlinear(x, qweight, scales, zeros, bits: int, k: int, accuracy_level: int, mins=None):
     """kvedge::qlinear -> blocked DequantizeLinear (opset 21+) then MatMul, laid out as TensorRT's weight-only
     path takes it: W [K, N] (the MatMul's right-hand side as is, no Transpose), blocks of `group` along K
     (axis 0). The integers are UINT8 / UINT4 with zero points (kvedge quantizes asymmetrically), which
     ONNX Runtime runs and TensorRT refuses (signed, zero points all zero; `kvedge check` says so).
     Emitted as a placeholder node that `finalize` turns into the DequantizeLinear and its initializers."""
+    if mins is not None:  # export refuses these first (Lowering.affine_refusals)
+        raise KvedgeError("the onnx lowering has no form for affine blocks (q * scale + min)")
     return op.MatMul(x, _placeholder.BlockedWeight(qweight, scales, zeros, bits=bits, K=k))
 
 
@@ -125,8 +128,9 @@ def finalize(proto) -> None:
 def translate(q, k, v, k_cache, v_cache, positions, scale: float, window: int, softcap: float, cos=None, sin=None):
     q, k = rope(q, cos, sin, positions), rope(k, cos, sin, positions)
     start = op.Gather(positions, const(0), axis=1)  # [B]: each row's first position
-    present_k = op24.TensorScatter(k_cache, k, start, axis=2)
-    present_v = op24.TensorScatter(v_cache, v, start, axis=2)
+    # axis -2 (the sequence axis of [B, Hkv, S, D]): TensorRT's parser takes no other (onnx-tensorrt operators.md)
+    present_k = op24.TensorScatter(k_cache, k, start, axis=-2)
+    present_v = op24.TensorScatter(v_cache, v, start, axis=-2)
     length = kv_len(positions)
     mask = op.Unsqueeze(visible(positions, length, window), const([1]))  # [B, 1, L, S]
     out = op24.Attention(q, live(present_k, length), live(present_v, length), mask, scale=scale,

@@ -66,11 +66,13 @@ def fuse(proto) -> None:
 def _drop_midpoint_zero_points(graph) -> None:
     """MatMulNBits whose zero points are all the midpoint 2^(bits-1) (--symmetric) loses its zero-point
     input: that is the op's default, and its kernel skips the per-group zero point then (faster)."""
+    import onnx
     from onnx import numpy_helper
 
     inits = {t.name: t for t in graph.initializer}
     for n in graph.node:
-        if n.op_type != "MatMulNBits" or len(n.input) < 4 or n.input[3] not in inits:
+        if (n.op_type != "MatMulNBits" or len(n.input) < 4 or n.input[3] not in inits
+                or inits[n.input[3]].data_type != onnx.TensorProto.UINT8):  # float zero points: affine blocks
             continue
         a = {x.name: x.i for x in n.attribute}
         z = numpy_helper.to_array(inits[n.input[3]]).reshape(a["N"], -1)

@@ -13,7 +13,8 @@ from onnxscript import opset18 as op
 from onnxscript.values import Opset
 
 from kvedge.export.lowerings import Lowering
-from kvedge.export.lowerings._common import const, rope
+from kvedge.export.lowerings._common import const, fconst, rope
+from kvedge.models.config import ModelConfig
 
 DOMAIN = "com.microsoft"
 
@@ -99,11 +100,32 @@ _register_skip_rms_norm()
 msft = Opset(DOMAIN, 1)
 
 
-def translate_qlinear(x, qweight, scales, zeros, bits: int, k: int, accuracy_level: int):
-    """kvedge::qlinear -> MatMulNBits: the weights are already in its layout."""
+def translate_qlinear(x, qweight, scales, zeros, bits: int, k: int, accuracy_level: int, mins=None):
+    """kvedge::qlinear -> MatMulNBits: the weights are already in its layout.
+    An affine block (w = q * scale + min, GGUF's Q4_1 / Q4_K / Q5_K) keeps its integers and scales and splits:
+    x @ w = MatMulNBits(x) with the default midpoint zero point, + per group sum(x) * (midpoint * scale + min),
+    a [.., K / group] x [K / group, N] MatMul. (A float zero point -min / scale would say the same in one node,
+    but ONNX Runtime's CPU kernel runs those several times slower, and not at all for 8 bits.)"""
     n, nb = qweight.shape[0], qweight.shape[1]
-    return msft.MatMulNBits(x, qweight, scales, zeros, K=k, N=n, bits=bits, block_size=k // nb,
-                            accuracy_level=accuracy_level)
+    y = msft.MatMulNBits(x, qweight, scales, None if mins is not None else zeros, K=k, N=n, bits=bits,
+                         block_size=k // nb, accuracy_level=accuracy_level)
+    if mins is None:
+        return y
+    offset = op.Add(op.Mul(scales, op.CastLike(fconst(2 ** (bits - 1)), scales)), mins)  # [N * nb]
+    offset = op.Transpose(op.Reshape(offset, const([n, nb])), perm=[1, 0])  # [nb, N]
+    sums = op.ReduceSum(op.Reshape(x, op.Concat(op.Shape(x, end=-1), const([nb, k // nb]), axis=0)), const([-1]),
+                        keepdims=0)  # [..., nb]
+    return op.Add(y, op.MatMul(sums, offset))
+
+
+def unsupported_affine(bits: int) -> list[str]:
+    return []  # 4 and 8 bits alike (translate_qlinear)
+
+
+def unsupported(cfg: ModelConfig) -> list[str]:
+    # GroupQueryAttention fails at run time otherwise ("head_size must be a multiple of 8", onnxruntime 1.32)
+    return [] if cfg.head_dim % 8 == 0 else [f"head_dim {cfg.head_dim} is not a multiple of 8, which ONNX Runtime's "
+                                             "GroupQueryAttention requires"]
 
 
 def translate(q, k, v, k_cache, v_cache, positions, scale: float, window: int, softcap: float, cos=None, sin=None,
@@ -147,5 +169,7 @@ def finalize(proto) -> None:
 
 # int8 cache: GQA's quantized cache (k_scale / v_scale, PER_CHANNEL), the kvedge.models.attention semantics
 LOWERING = Lowering("ort", 21, "com.microsoft.GroupQueryAttention: the fastest on ONNX Runtime CPU (the default)",
-                    translate, translate_qlinear=translate_qlinear, int8_cache=True, finalize=finalize,
+                    translate, unsupported=unsupported, translate_qlinear=translate_qlinear,
+                    unsupported_affine=unsupported_affine,
+                    int8_cache=True, finalize=finalize,
                     min_onnxruntime=(1, 32))  # GroupQueryAttention's query_seqlens input
