@@ -105,24 +105,12 @@ def write_gguf(path: Path, *, model="gpt2", pre="smollm", tokens=None, types=Non
         w.add_tokenizer_pre(pre)
     if tokens is not None and "tokens" not in skip:
         w.add_token_list(tokens)
-    if types is not None:
-        w.add_token_types(types)
-    if scores is not None:
-        w.add_token_scores(scores)
-    if merges is not None:
-        w.add_token_merges(merges)
-    for value, add in ((bos, w.add_bos_token_id), (eos, w.add_eos_token_id), (unk, w.add_unk_token_id),
-                       (pad, w.add_pad_token_id)):
+    for value, add in ((types, w.add_token_types), (scores, w.add_token_scores), (merges, w.add_token_merges),
+                       (bos, w.add_bos_token_id), (eos, w.add_eos_token_id), (unk, w.add_unk_token_id),
+                       (pad, w.add_pad_token_id), (add_bos, w.add_add_bos_token), (add_eos, w.add_add_eos_token),
+                       (add_space_prefix, w.add_add_space_prefix), (template, w.add_chat_template)):
         if value is not None:
             add(value)
-    if add_bos is not None:
-        w.add_add_bos_token(add_bos)
-    if add_eos is not None:
-        w.add_add_eos_token(add_eos)
-    if add_space_prefix is not None:
-        w.add_add_space_prefix(add_space_prefix)
-    if template is not None:
-        w.add_chat_template(template)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -289,30 +289,29 @@ static inline __attribute__((always_inline)) void qdot_rows_w(const int bits, co
     }
 }
 
-/* an affine linear's instances, apart (linear_rows picks them once per call), so qdot_rows is untouched */
+/* The four instances (4 / 8 bits x 1 / 2 activation rows) of one kind of zero point: uint8 or symmetric (AFF 0),
+ * or an affine linear's float ones (AFF 1), in two functions that linear_rows picks between once per call, so
+ * the first one's code is what it was before affine linears existed. */
+#define QDOT_ROWS_OF(AFF)                                                                                         \
+    if (l->bits == 4 && rm == 2)                                                                                  \
+        qdot_rows_w(4, AFF, l, 2, n0, xq, sa, c, out);                                                            \
+    else if (l->bits == 4)                                                                                        \
+        qdot_rows_w(4, AFF, l, 1, n0, xq, sa, c, out);                                                            \
+    else if (rm == 2)                                                                                             \
+        qdot_rows_w(8, AFF, l, 2, n0, xq, sa, c, out);                                                            \
+    else                                                                                                          \
+        qdot_rows_w(8, AFF, l, 1, n0, xq, sa, c, out);
+
 static __attribute__((noinline)) void qdot_rows_affine(const kv_linear *l, int rm, int n0, const int8_t *const *xq,
                                                        const float *const *sa, const float *const *c, float *out) {
-    if (l->bits == 4 && rm == 2)
-        qdot_rows_w(4, 1, l, 2, n0, xq, sa, c, out);
-    else if (l->bits == 4)
-        qdot_rows_w(4, 1, l, 1, n0, xq, sa, c, out);
-    else if (rm == 2)
-        qdot_rows_w(8, 1, l, 2, n0, xq, sa, c, out);
-    else
-        qdot_rows_w(8, 1, l, 1, n0, xq, sa, c, out);
+    QDOT_ROWS_OF(1)
 }
 
 static void qdot_rows(const kv_linear *l, int rm, int n0, const int8_t *const *xq, const float *const *sa,
                       const float *const *c, float *out) {
-    if (l->bits == 4 && rm == 2)
-        qdot_rows_w(4, 0, l, 2, n0, xq, sa, c, out);
-    else if (l->bits == 4)
-        qdot_rows_w(4, 0, l, 1, n0, xq, sa, c, out);
-    else if (rm == 2)
-        qdot_rows_w(8, 0, l, 2, n0, xq, sa, c, out);
-    else
-        qdot_rows_w(8, 0, l, 1, n0, xq, sa, c, out);
+    QDOT_ROWS_OF(0)
 }
+#undef QDOT_ROWS_OF
 #else /* portable C: the same arithmetic, one channel at a time */
 /* IEEE half -> float (exact): normal, subnormal (renormalized), zero, inf / NaN */
 static float half_to_float(uint16_t h) {
