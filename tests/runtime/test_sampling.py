@@ -60,6 +60,14 @@ def test_top_p_distribution():
     assert torch.allclose(counts[:3], probs[:3] / probs[:3].sum(), atol=0.01)
 
 
+@pytest.mark.parametrize("temperature", [0.5, 2.0])
+def test_temperature_distribution(temperature):
+    """Sampled at temperature T, token i comes with probability softmax(logits / T)_i (transformers' warper)."""
+    tokens = sample_many(SamplingParams(temperature=temperature))
+    counts = torch.bincount(tokens, minlength=8).float() / tokens.numel()
+    assert torch.allclose(counts, torch.softmax(LOGITS[0] / temperature, 0), atol=0.01)  # ~4 sigma at n = 40000
+
+
 def test_temperature_sharpens_and_zero_is_greedy():
     assert torch.all(sample_many(SamplingParams(temperature=0.0), 100) == 0)
     hot = torch.bincount(sample_many(SamplingParams(temperature=2.0)), minlength=8)

@@ -143,6 +143,9 @@ def test_chat_template_and_sampled_generation(demo):
     a = session.generate("hi", chat=True, max_new_tokens=6, sampling=SamplingParams(temperature=0.8, seed=3))
     b = session.generate("hi", chat=True, max_new_tokens=6, sampling=SamplingParams(temperature=0.8, seed=3))
     assert a.tokens == b.tokens
+    others = [session.generate("hi", chat=True, max_new_tokens=6, sampling=SamplingParams(temperature=0.8, seed=s))
+              for s in (4, 5, 6)]
+    assert any(o.tokens != a.tokens for o in others)  # the seed reaches the sampler
     assert a.prompt_tokens == [len(text.encode()) - len("</s>") + 1]  # </s> is one special token, no BOS added
 
 
