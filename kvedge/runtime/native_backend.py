@@ -42,7 +42,7 @@ class Linear(ctypes.Structure):
     _c_struct_ = "kv_linear"  # the C struct this mirrors, field for field (check_layout)
     _fields_ = [("n", ctypes.c_int32), ("k", ctypes.c_int32), ("bits", ctypes.c_int32), ("sym", ctypes.c_int32),
                 ("zsym", ctypes.c_float), ("q", ctypes.c_void_p), ("s", ctypes.c_void_p), ("z", ctypes.c_void_p),
-                ("zf", ctypes.c_void_p), ("w", ctypes.c_void_p), ("bias", ctypes.c_void_p)]
+                ("mins", ctypes.c_void_p), ("w", ctypes.c_void_p), ("bias", ctypes.c_void_p)]
 
 
 class Layer(ctypes.Structure):
@@ -131,7 +131,7 @@ def compile_engine(flags: tuple[str, ...] = FLAGS, cache_dir: str | Path | None 
     check_layout(dll)
     dll.kv_stride.argtypes = [ctypes.c_int]
     dll.kv_pack.argtypes = [ctypes.POINTER(Linear), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
-    dll.kv_pack_zf.argtypes = [ctypes.POINTER(Linear), ctypes.c_void_p, ctypes.c_int]
+    dll.kv_pack_mins.argtypes = [ctypes.POINTER(Linear), ctypes.c_void_p, ctypes.c_int]
     dll.kv_linear_forward.argtypes = [ctypes.POINTER(Linear), ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
                                       ctypes.c_int]
     dll.kv_scratch_bytes.argtypes = [ctypes.POINTER(Model), ctypes.c_int, ctypes.c_int, ctypes.c_int]
@@ -157,7 +157,7 @@ class _Keep:
 
 def pack_linear(dll: ctypes.CDLL, mod: nn.Module, keep: _Keep) -> Linear:
     """A QuantLinear (its MatMulNBits bytes, read in place) or a float nn.Linear as the engine's Linear. An
-    affine QuantLinear (`mins`: w = q * scale + min, GGUF's Q4_1) runs with float zero points -min / scale."""
+    affine QuantLinear (`mins`: w = q * scale + min, GGUF's Q4_1) runs with its float16 mins."""
     bias = getattr(mod, "bias", None)
     bias = keep(None if bias is None else bias.detach().float().contiguous())
     if not isinstance(mod, QuantLinear):
@@ -173,49 +173,29 @@ def pack_linear(dll: ctypes.CDLL, mod: nn.Module, keep: _Keep) -> Linear:
     zeros = None if mins is not None else unpack_zeros(mod.zeros, bits, n, groups).contiguous()
     mid = 2 ** (bits - 1)
     sym = mins is None and bool((zeros == mid).all())
-    scales = mod.scales.float().contiguous()
-    half = scales.half()  # the engine keeps scales in 16 bits; kvedge's quantizer (and AWQ / GPTQ) make them so
-    if not torch.equal(half.float(), scales):
-        raise KvedgeError(f"the native engine stores scales as float16 and this {n}x{k} linear has scales float16 "
-                          f"cannot hold exactly; quantize it with kvedge.models.quant (which rounds them up to "
-                          f"float16 values)")
+    # the engine keeps scales (and an affine block's mins) in 16 bits: kvedge's quantizer, AWQ / GPTQ and GGUF's
+    # Q4_0 / Q8_0 / Q4_1 make them float16 values
+    half = _half_exact(mod.scales.float().contiguous(), "scales", n, k)
     stride = dll.kv_stride(k)  # per-sub-block figures per row, padded to whole chunks of 8
     s = torch.empty(n * stride, dtype=torch.int16)
-    zf = None
-    if mins is not None:
-        half, zf = _affine_zero_points(mod, n, k, groups, half, mins)
-    z = None if sym or zf is not None else torch.empty(n * stride, dtype=torch.uint8)
+    m16 = None if mins is None else _half_exact(mins.float().contiguous(), "mins", n, k)
+    z = None if sym or mins is not None else torch.empty(n * stride, dtype=torch.uint8)
     lin = Linear(n, k, bits, int(sym), float(mid), keep(mod.qweight.contiguous()), keep(s), keep(z),
-                 keep(None if zf is None else torch.empty(n * stride, dtype=torch.float32)), 0, bias)
+                 keep(None if m16 is None else torch.empty(n * stride, dtype=torch.int16)), 0, bias)
     if dll.kv_pack(ctypes.byref(lin), keep(half.view(torch.int16)), keep(zeros), group) or (
-            zf is not None and dll.kv_pack_zf(ctypes.byref(lin), keep(zf), group)):
+            m16 is not None and dll.kv_pack_mins(ctypes.byref(lin), keep(m16.view(torch.int16)), group)):
         raise KvedgeError(f"kv_pack refused a {n}x{k} linear in groups of {group}")
     return lin
 
 
-def _affine_zero_points(mod: QuantLinear, n: int, k: int, groups: int, half: torch.Tensor, mins: torch.Tensor
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
-    """An affine block's (float16 scales, float32 zero points -min / scale) per group, [n * groups] each, for the
-    engine's sw * (q - z): q * scale + min up to float rounding. A group of scale 0 (a constant block: GGUF's
-    quantizer stores q = 0 there) runs with scale 1 and zero point -min; one whose integers are not all 0 is
-    refused (its weights are min whatever q is, which no zero point can give)."""
-    scales = half.float().reshape(n, groups)
-    mins = mins.float().reshape(n, groups)
-    flat = scales == 0  # (NaN was refused as not float16-exact)
-    if bool(flat.any()):
-        q = mod.qweight.reshape(n, groups, -1)
-        if bool((q[flat] != 0).any()) or not bool(torch.isfinite(mins[flat]).all()):
-            raise KvedgeError(f"the native engine runs affine blocks as scale * (q + min / scale) and this {n}x{k} "
-                              f"linear has a group of scale 0 with nonzero integers (or a non-finite min); "
-                              f"run it as a float32 nn.Linear (kvedge.models.quant.dequantize) instead")
-        scales = torch.where(flat, torch.ones_like(scales), scales)
-        half = scales.half().reshape(-1)
-    zf = (-mins / scales).reshape(-1).contiguous()
-    if not bool(torch.isfinite(zf).all()):
-        raise KvedgeError(f"the native engine runs affine blocks as scale * (q + min / scale) and this {n}x{k} "
-                          f"linear has a min / scale float32 cannot hold; run it as a float32 nn.Linear "
-                          f"(kvedge.models.quant.dequantize) instead")
-    return half.contiguous(), zf
+def _half_exact(v: torch.Tensor, what: str, n: int, k: int) -> torch.Tensor:
+    """v as float16, which the engine keeps; refused unless every value is a float16 value."""
+    half = v.half()
+    if not torch.equal(half.float(), v):
+        raise KvedgeError(f"the native engine stores {what} as float16 and this {n}x{k} linear has {what} float16 "
+                          f"cannot hold exactly; quantize it with kvedge.models.quant (which rounds them up to "
+                          f"float16 values)")
+    return half
 
 
 def unsupported(cfg) -> list[str]:

@@ -4,7 +4,7 @@
   to int8 per 32 channels (scale max|x| / 127, half to even) times the dequantized weights, for INT4 and
   INT8, symmetric and asymmetric groups of 32/64/128, and every tail shape of the 8-sub-block kernel;
   for the AVX-VNNI build, an AVX2 build without VNNI and the portable C build. Affine blocks (GGUF's
-  Q4_1: w = q * d + m with float16 d and m) too, run with float zero points -m / d.
+  Q4_1: w = q * d + m with float16 d and m) too, run with their float16 mins.
 - The whole engine equals kvedge's PyTorch Decoder (itself checked against transformers) running the
   same quantized weights with the same activation rounding, for every architecture it supports; and
   in float32 it equals the PyTorch model and its greedy tokens, ragged batches and chunked prefill.
@@ -110,13 +110,13 @@ def affine_linear(lin: torch.nn.Linear, bits: int, group: int, g: torch.Generato
 @pytest.mark.parametrize("n,k,group", [(24, 32, 32), (40, 576, 32), (9, 1536, 64), (8, 224, 32), (8, 416, 32),
                                        (12, 192, 64), (8, 256, 128)])
 def test_affine_linear_equals_the_int8_activation_formula(engine, bits, n, k, group):
-    """GGUF's affine blocks run as the file has them: float zero points z = -m / d (d float16, z float32), so
-    sw * (sa * dot - z * c) is d * sa * dot + m * c up to float rounding."""
+    """GGUF's affine blocks run as the file has them, d and m float16: d * sa * dot + m * c per sub-block
+    (c = sa * sum(xq)), which is fake_quant(x) @ w.T up to float rounding."""
     g = torch.Generator().manual_seed(k + n + bits)
     mod = affine_linear(torch.nn.Linear(k, n, bias=False), bits, group, g)
     keep = _Keep()
     lin = pack_linear(engine, mod, keep)
-    assert lin.sym == 0 and not lin.z and lin.zf
+    assert lin.sym == 0 and not lin.z and lin.mins
     w = dequantize(mod.qweight, mod.scales, mod.zeros, bits, k, mod.mins)
     assert bool((w[0, :group] == mod.mins[0]).all())  # the constant block
     for m in (1, 2, 3, 5):
@@ -135,8 +135,8 @@ def test_pack_refuses_affine_blocks_it_cannot_run_as_they_are(engine):
     with pytest.raises(KvedgeError, match="float16"):
         pack_linear(engine, mod, _Keep())
     mod = affine_linear(torch.nn.Linear(64, 4, bias=False), 4, 32, g)
-    mod.qweight[0, 0, 3] = 0x21  # a block of scale 0 whose integers are not all 0: its weights are all m
-    with pytest.raises(KvedgeError, match="scale 0 with nonzero integers"):
+    mod.mins[1] = 0.1  # not a float16 value
+    with pytest.raises(KvedgeError, match="stores mins as float16"):
         pack_linear(engine, mod, _Keep())
 
 
@@ -185,7 +185,7 @@ def _equals_the_decoder(case, path, model, bits, monkeypatch):
     """The engine over `model` (bits 0: float32) against the PyTorch Decoder: a ragged prefill of 3 rows, then
     4 decode steps; logits and caches."""
     native = NativeBackend(path, max_batch=3, max_seq_len=MAX_SEQ, threads=2, model=model)
-    assert any(lin.zf for ly in native._layers for lin in (ly.qkv, ly.o)) == any(
+    assert any(lin.mins for ly in native._layers for lin in (ly.qkv, ly.o)) == any(
         getattr(blk.qkv, "mins", None) is not None for blk in model.layers)
     cache = KVCache.allocate(model.cfg, 3, MAX_SEQ, dtype=torch.float32)
     if bits:  # the reference rounds its projections' inputs as the engine does

@@ -55,9 +55,9 @@ def swapped(i: int, j: int) -> list:
     ([("n", ctypes.c_int64)] + Linear._fields_[1:], "at field n: C size 4, ctypes 8"),
     (Linear._fields_[:-1], "at field bias: C offset 64, ctypes none"),  # a field the mirror lacks
     (Linear._fields_ + [("extra", ctypes.c_int32)], "at field extra: C offset none, ctypes 72"),
-    # a mirror from before the affine linears' float zero points: every later field is misplaced, zf named
-    ([f for f in Linear._fields_ if f[0] != "zf"], "at field w: C offset 56, ctypes 48; .*at field zf: C offset "
-                                                   "48, ctypes none"),
+    # a mirror from before the affine linears' mins: every later field is misplaced, mins named
+    ([f for f in Linear._fields_ if f[0] != "mins"], "at field w: C offset 56, ctypes 48; .*at field mins: C "
+                                                     "offset 48, ctypes none"),
 ])
 def test_a_wrong_mirror_is_refused_naming_the_field(engine, fields, match):
     with pytest.raises(KvedgeError, match=r"C struct kv_linear and its ctypes mirror BadLinear disagree .*" + match):

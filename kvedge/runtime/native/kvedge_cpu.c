@@ -14,8 +14,7 @@
  * scale one) and z the group zero point. This is ONNX Runtime's accuracy_level 4 scheme (int8
  * activations); the dot products are integer.
  * Affine blocks (GGUF's Q4_1: w = q * d + m, d and m float16) run as they are, without re-rounding the
- * weights: their zero points are floats, z = -m / d (l->zf), so sw * (sa * dot - z * c) is
- * d * sa * dot + m * c up to float rounding.
+ * weights: y[n] = sum_sb sw * sa * dot(q, xq) + m * sa * sum(xq), with the file's float16 mins (l->mins).
  * For speed, every 8 sub-blocks are reduced together: their scales are stored in the order the reduction
  * produces them (kv_slot), and the activations' per-sub-block figures are written in that order too, so
  * no shuffle happens per weight. A call computes 4 weight rows against 1 or 2 activation rows (each
@@ -55,8 +54,8 @@ typedef struct {
     float zsym;
     const uint8_t *q;         /* MatMulNBits bytes [n][k * bits / 8] */
     uint16_t *s;              /* [n][kv_stride(k)] float16 scales per sub-block, kernel order (kv_pack) */
-    uint8_t *z;               /* [n][kv_stride(k)] zero points per sub-block, kernel order; NULL when sym or zf */
-    float *zf;                /* [n][kv_stride(k)] float zero points per sub-block, kernel order (kv_pack_zf);
+    uint8_t *z;               /* [n][kv_stride(k)] zero points per sub-block, kernel order; NULL when sym or affine */
+    uint16_t *mins;           /* [n][kv_stride(k)] float16 mins per sub-block, kernel order (kv_pack_mins);
                                * NULL unless affine (then sym is 0 and z NULL) */
     const float *w;           /* fp32 weight [n][k] instead of q/s/z (an unquantized linear) */
     const float *bias;        /* [n] or NULL */
@@ -76,11 +75,11 @@ static inline int kv_slot(int sb) {
 }
 
 /* Fill l->s and l->z (allocated by the caller, n * kv_stride(k) each) from per-group float16
- * scales [n][k / group] and, unless symmetric or affine (l->zf: kv_pack_zf fills it), unpacked zero
+ * scales [n][k / group] and, unless symmetric or affine (l->mins: kv_pack_mins fills it), unpacked zero
  * points [n][k / group]. */
 int kv_pack(kv_linear *l, const uint16_t *scales, const uint8_t *zeros, int group) {
     if (l->k % SB || group % SB || l->k % group) return -1;
-    int nsb = l->k / SB, ng = l->k / group, per = group / SB, st = sub_stride(l->k), uz = !l->sym && !l->zf;
+    int nsb = l->k / SB, ng = l->k / group, per = group / SB, st = sub_stride(l->k), uz = !l->sym && !l->mins;
     if (uz && (!l->z || !zeros)) return -1;
     memset(l->s, 0, sizeof(uint16_t) * (size_t)l->n * st);
     if (uz) memset(l->z, 0, (size_t)l->n * st);
@@ -93,14 +92,14 @@ int kv_pack(kv_linear *l, const uint16_t *scales, const uint8_t *zeros, int grou
     return 0;
 }
 
-/* Fill l->zf (allocated by the caller, n * kv_stride(k) floats) from per-group float zero points
- * [n][k / group] (an affine block's -min / scale). */
-int kv_pack_zf(kv_linear *l, const float *zf, int group) {
-    if (!l->zf || !zf || l->sym || l->k % SB || group % SB || l->k % group) return -1;
+/* Fill l->mins (allocated by the caller, n * kv_stride(k) halves) from an affine block's per-group float16
+ * mins [n][k / group]. */
+int kv_pack_mins(kv_linear *l, const uint16_t *mins, int group) {
+    if (!l->mins || !mins || l->sym || l->k % SB || group % SB || l->k % group) return -1;
     int nsb = l->k / SB, ng = l->k / group, per = group / SB, st = sub_stride(l->k);
-    memset(l->zf, 0, sizeof(float) * (size_t)l->n * st);
+    memset(l->mins, 0, sizeof(uint16_t) * (size_t)l->n * st);
     for (int n = 0; n < l->n; n++)
-        for (int sb = 0; sb < nsb; sb++) l->zf[(size_t)n * st + kv_slot(sb)] = zf[(size_t)n * ng + sb / per];
+        for (int sb = 0; sb < nsb; sb++) l->mins[(size_t)n * st + kv_slot(sb)] = mins[(size_t)n * ng + sb / per];
     return 0;
 }
 
@@ -240,8 +239,8 @@ static inline __attribute__((always_inline)) void chunk_sums(const int bits, con
 
 /* out[j * ROWS + i] = row n0 + i of a 4- or 8-bit linear . activation row j, for i < ROWS (rows past the
  * end repeat the last) and j < rm (1 or 2: a second activation row reuses every weight load). aff (a
- * constant, as bits and rm): l->zf's float zero points instead of l->z / zsym, so the uint8 and symmetric
- * instances are the code they were. */
+ * constant, as bits and rm): an affine linear, whose mins (l->mins) add m * c instead of a zero point's
+ * -z * c term, so the uint8 and symmetric instances are the code they were. */
 static inline __attribute__((always_inline)) void qdot_rows_w(const int bits, const int aff, const kv_linear *l,
                                                               const int rm, int n0, const int8_t *const *xq,
                                                               const float *const *sa, const float *const *c,
@@ -251,7 +250,7 @@ static inline __attribute__((always_inline)) void qdot_rows_w(const int bits, co
     const uint8_t *q[ROWS];
     const uint16_t *sw[ROWS];
     const uint8_t *zr[ROWS];
-    const float *zfr[ROWS];
+    const uint16_t *mr[ROWS];
     __m256 acc[ROWS][2];
 #pragma GCC unroll 4
     for (int i = 0; i < ROWS; i++) {
@@ -259,7 +258,7 @@ static inline __attribute__((always_inline)) void qdot_rows_w(const int bits, co
         q[i] = l->q + row * rb;
         sw[i] = l->s + row * st;
         zr[i] = aff || l->sym ? NULL : l->z + row * st;
-        zfr[i] = aff ? l->zf + row * st : NULL;
+        mr[i] = aff ? l->mins + row * st : NULL;
         acc[i][0] = acc[i][1] = _mm256_setzero_ps();
     }
     const __m256 zs = _mm256_set1_ps(l->zsym);
@@ -273,10 +272,16 @@ static inline __attribute__((always_inline)) void qdot_rows_w(const int bits, co
                 chunk_sums(bits, rm, q[i] + sb * sbb, xq, (size_t)sb * SB, 8, r);
             else
                 chunk_sums(bits, rm, q[i] + sb * sbb, xq, (size_t)sb * SB, nsb - sb, r);
-            __m256 z = aff     ? _mm256_loadu_ps(zfr[i] + sb)
-                       : zr[i] ? _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(zr[i] + sb))))
-                               : zs;
             __m256 w = load_half8(sw[i] + sb);
+            if (aff) {
+                __m256 m = load_half8(mr[i] + sb);
+                for (int j = 0; j < rm; j++)
+                    acc[i][j] = _mm256_fmadd_ps(m, cv[j], _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(r[j]),
+                                                                                        sav[j]), w, acc[i][j]));
+                continue;
+            }
+            __m256 z = zr[i] ? _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(zr[i] + sb))))
+                             : zs;
             for (int j = 0; j < rm; j++) {
                 __m256 t = _mm256_fnmadd_ps(z, cv[j], _mm256_mul_ps(_mm256_cvtepi32_ps(r[j]), sav[j]));
                 acc[i][j] = _mm256_fmadd_ps(t, w, acc[i][j]);
@@ -342,8 +347,8 @@ static void qdot_rows(const kv_linear *l, int rm, int n0, const int8_t *const *x
             const float *sa = sas[j], *c = cs[j];
             int n = n0 + i < l->n ? n0 + i : l->n - 1;
             const uint16_t *sw = l->s + (size_t)n * st;
-            const uint8_t *q = l->q + (size_t)n * rb, *zr = l->zf || l->sym ? NULL : l->z + (size_t)n * st;
-            const float *zfr = l->zf ? l->zf + (size_t)n * st : NULL;
+            const uint8_t *q = l->q + (size_t)n * rb, *zr = l->mins || l->sym ? NULL : l->z + (size_t)n * st;
+            const uint16_t *mr = l->mins ? l->mins + (size_t)n * st : NULL;
             float y = 0.f;
             for (int sb = 0; sb < nsb; sb++) {
                 int d = 0, pair = sb & ~1, lone = (pair + 1 == nsb);
@@ -355,7 +360,11 @@ static void qdot_rows(const kv_linear *l, int rm, int n0, const int8_t *const *x
                     d += a * base[off + t] + b * base[half + off + t];
                 }
                 int slot = kv_slot(sb);
-                float z = zfr ? zfr[slot] : zr ? zr[slot] : l->zsym;
+                if (mr) {
+                    y += half_to_float(sw[slot]) * (sa[slot] * (float)d) + half_to_float(mr[slot]) * c[slot];
+                    continue;
+                }
+                float z = zr ? zr[slot] : l->zsym;
                 y += half_to_float(sw[slot]) * (sa[slot] * (float)d - z * c[slot]);
             }
             out[j * ROWS + i] = y;
@@ -389,9 +398,9 @@ static inline void fetch_rows(const kv_linear *l, int n0, int n1) {
     const char *q = (const char *)(l->q + (size_t)n0 * rb), *s = (const char *)(l->s + (size_t)n0 * st);
     for (size_t o = 0; o < (size_t)(n1 - n0) * rb; o += 64) PREFETCH_L2(q + o);
     for (size_t o = 0; o < sizeof(uint16_t) * (n1 - n0) * st; o += 64) PREFETCH_L2(s + o);
-    if (l->zf) {
-        const char *zf = (const char *)(l->zf + (size_t)n0 * st);
-        for (size_t o = 0; o < sizeof(float) * (n1 - n0) * st; o += 64) PREFETCH_L2(zf + o);
+    if (l->mins) {
+        const char *m = (const char *)(l->mins + (size_t)n0 * st);
+        for (size_t o = 0; o < sizeof(uint16_t) * (n1 - n0) * st; o += 64) PREFETCH_L2(m + o);
     }
 }
 
@@ -467,7 +476,7 @@ static void linear_rows(const kv_linear *l, int m, const float *x, float *y, int
                 const int8_t *xs[2] = {xq + (size_t)r * l->k, xq + (size_t)(r + rm - 1) * l->k};
                 const float *ss[2] = {sa + (size_t)r * st, sa + (size_t)(r + rm - 1) * st};
                 const float *cc[2] = {c + (size_t)r * st, c + (size_t)(r + rm - 1) * st};
-                if (l->zf)
+                if (l->mins)
                     qdot_rows_affine(l, rm, n0, xs, ss, cc, out);
                 else
                     qdot_rows(l, rm, n0, xs, ss, cc, out);
@@ -530,7 +539,7 @@ typedef struct {
 #define LAY(f) KV_FIELD(kv_layer, f)
 #define MOD(f) KV_FIELD(kv_model, f)
 static const kv_layout_entry kv_layout_table[] = {
-    KV_STRUCT(kv_linear), LIN(n), LIN(k), LIN(bits), LIN(sym), LIN(zsym), LIN(q), LIN(s), LIN(z), LIN(zf), LIN(w),
+    KV_STRUCT(kv_linear), LIN(n), LIN(k), LIN(bits), LIN(sym), LIN(zsym), LIN(q), LIN(s), LIN(z), LIN(mins), LIN(w),
     LIN(bias),
     KV_STRUCT(kv_layer), LAY(attn_norm), LAY(mlp_norm), LAY(q_norm), LAY(k_norm), LAY(post_attn_norm),
     LAY(post_mlp_norm), LAY(qkv), LAY(o), LAY(up), LAY(down), LAY(window), LAY(k_cache), LAY(v_cache), LAY(k_scale),
