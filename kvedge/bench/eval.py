@@ -33,16 +33,16 @@ class EvalReport:
 
 
 @torch.inference_mode()
-def teacher_forced(session: Session, rows: torch.Tensor):
-    """Yield (row indices, position t, logits [B, V] float64 predicting token t + 1), rows in batches of the
-    backend's max_batch, each batch from an empty cache."""
+def teacher_forced(session: Session, rows: torch.Tensor, batch: int):
+    """Yield (row indices, position t, logits [B, V] float64 predicting token t + 1), rows `batch` at a time,
+    each batch from an empty cache."""
     be = session.backend
-    for start in range(0, rows.shape[0], be.max_batch):
-        batch = rows[start:start + be.max_batch]
+    for start in range(0, rows.shape[0], batch):
+        part = rows[start:start + batch]
         be.reset()
-        b = batch.shape[0]
-        for t in range(batch.shape[1] - 1):
-            logits = be.forward(batch[:, t:t + 1], torch.full((b, 1), t), torch.zeros(b, dtype=torch.long))
+        b = part.shape[0]
+        for t in range(part.shape[1] - 1):
+            logits = be.forward(part[:, t:t + 1], torch.full((b, 1), t), torch.zeros(b, dtype=torch.long))
             yield range(start, start + b), t, logits[:, -1].double()
 
 
@@ -59,17 +59,16 @@ def fit_rows(rows: torch.Tensor, max_seq_len: int) -> torch.Tensor:
 def evaluate(session: Session, rows: torch.Tensor, text: dict, reference: Session | None = None) -> EvalReport:
     """Perplexity of `session` on token rows [R, L] (exp of the mean next-token negative log-likelihood over
     every row's predicted tokens, as transformers' loss with labels = input_ids), and against `reference`."""
-    limit = session.backend.max_seq_len if reference is None else min(session.backend.max_seq_len,
-                                                                      reference.backend.max_seq_len)
-    rows = fit_rows(rows, limit)
-    got = list(teacher_forced(session, rows))
-    ref = list(teacher_forced(reference, rows)) if reference is not None else None
+    sessions = [session] + ([reference] if reference is not None else [])
+    rows = fit_rows(rows, min(x.backend.max_seq_len for x in sessions))
+    batch = min(x.backend.max_batch for x in sessions)  # both walk the same rows in step, one position at a time
+    steps = zip(*(teacher_forced(x, rows, batch) for x in sessions))
     nll, ref_nll, agree, cos = 0.0, 0.0, 0, 0.0
-    for i, (idx, t, logits) in enumerate(got):
+    for (idx, t, logits), *ref in steps:
         target = rows[list(idx), t + 1]
         nll += torch.nn.functional.cross_entropy(logits, target, reduction="sum").item()
-        if ref is not None:
-            r = ref[i][2]
+        if ref:
+            r = ref[0][2]
             ref_nll += torch.nn.functional.cross_entropy(r, target, reduction="sum").item()
             agree += int((logits.argmax(-1) == r.argmax(-1)).sum())
             cos += torch.nn.functional.cosine_similarity(logits, r, dim=-1).sum().item()
