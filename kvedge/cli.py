@@ -98,11 +98,15 @@ def _demo_real(args) -> int:
     prompt = args.prompt if args.prompt != DEMO_PROMPT else "What is the capital of France?"
     print(f"prompt (chat): {prompt!r}")
     ok = True
-    for step, name, path in (("2/4", "onnxruntime", out), ("3/4", "native", model)):
-        _say(args, f"[{step}] greedy chat answer on {name}")
-        session = load(path, name, threads=args.threads, max_batch=1, max_seq_len=512)
+    # the native engine twice: int16 activations (the float model's answer) and int8 ones (llama.cpp's scheme,
+    # the fastest; on a near tie its answer can differ, as llama.cpp's does)
+    for step, name, path, acts in (("2/4", "onnxruntime", out, "int8"), ("3/4", "native", model, "int16"),
+                                   ("3/4", "native", model, "int8")):
+        label = name if name != "native" else f"native {acts}"
+        _say(args, f"[{step}] greedy chat answer on {label}")
+        session = load(path, name, threads=args.threads, max_batch=1, max_seq_len=512, activations=acts)
         res = session.generate(prompt, chat=True, max_new_tokens=args.max_new_tokens)
-        print(f"{name:>12}: {res.texts[0].strip()!r}  (prefill {res.prompt_tokens[0]} tokens in "
+        print(f"{label:>12}: {res.texts[0].strip()!r}  (prefill {res.prompt_tokens[0]} tokens in "
               f"{res.prefill_s * 1e3:.0f} ms; {res.decode_tokens_per_s:.1f} tokens/s)")
     _say(args, "[4/4] parity of the export against torch (teacher-forced), and perplexity on held-out text")
     ort = load(out, "onnxruntime", threads=args.threads, max_batch=1)
@@ -131,7 +135,8 @@ def cmd_generate(args) -> int:
     from kvedge.runtime import SamplingParams, load
 
     session = load(args.path, args.backend, threads=args.threads, max_seq_len=args.max_seq_len, max_batch=1,
-                   quantize=None if args.quantize == "none" else args.quantize, kv_dtype=args.kv_dtype)
+                   quantize=None if args.quantize == "none" else args.quantize, kv_dtype=args.kv_dtype,
+                   activations=args.activations)
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                               repetition_penalty=args.repetition_penalty, seed=args.seed)
 
@@ -199,13 +204,15 @@ def _resolve(path: str):
     raise KvedgeError(f"{p}: neither an export folder (kvedge.json), a checkpoint (config.json) nor a .gguf file")
 
 
-def _sessions(args, export_dir, ckpt, names, max_seq_len, max_batch):
+def _sessions(args, export_dir, ckpt, names, max_seq_len, max_batch, reference=False):
     """Backend name -> a function opening its Session on what it reads: the export folder, or the checkpoint
-    (matched to the export: the native engine quantizes as the export was)."""
+    (matched to the export: the native engine quantizes as the export was). reference: torch stands as the
+    reference (parity, eval), so on CUDA it keeps the reference attention op, not the Triton kernels."""
     from kvedge.runtime import LoadOptions, Session, backends
 
     opts = LoadOptions(max_batch=max_batch, max_seq_len=max_seq_len, threads=args.threads,
-                       device=getattr(args, "device", None))
+                       device=getattr(args, "device", None), activations=args.activations,
+                       fused_attention=not reference)
     opened = {}
     for name in names:
         info = backends.get(name)
@@ -282,7 +289,7 @@ def cmd_parity(args) -> int:
         ckpt = Path(args.reference)
     names = args.backend.split(",")
     sessions = _sessions(args, export_dir, ckpt, ["torch"] + [n for n in names if n != "torch"],
-                         args.prompt_len + args.steps + 2, 1)
+                         args.prompt_len + args.steps + 2, 1, reference=True)
     reference = sessions.pop("torch")()
     tol = {k: v for k, v in (("max_rel", args.max_rel), ("min_cosine", args.min_cosine)) if v is not None}
     from kvedge.artifact import Sidecar
@@ -321,7 +328,8 @@ def cmd_eval(args) -> int:
     name = args.backend if args.backend != "auto" else ("onnxruntime" if export_dir else "torch")
     session = _sessions(args, export_dir, ckpt, [name], CALIBRATION_ROW, args.batch)[name]()
     ref = Path(args.reference) if args.reference else ckpt if name != "torch" else None
-    reference = _sessions(args, None, ref, ["torch"], CALIBRATION_ROW, args.batch)["torch"]() if ref else None
+    reference = _sessions(args, None, ref, ["torch"], CALIBRATION_ROW, args.batch, reference=True)["torch"]() \
+        if ref else None
     rows, text = heldout_rows(export_dir or ckpt, session.cfg, args.text, args.tokens)
     _say(args, f"evaluating {name} on {text['tokens']} tokens of the {text['text']} text"
          + (" against torch" if reference else ""))
@@ -417,6 +425,12 @@ def cmd_doctor(args) -> int:
     return 0
 
 
+def _activations_arg(s: argparse.ArgumentParser) -> None:
+    s.add_argument("--activations", choices=("int8", "int16"), default="int8",
+                   help="native backend: a quantized projection's input, int8 per 32 channels (default, as llama.cpp; "
+                        "fastest) or int16 (within float rounding of the torch model; slower prefill)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from kvedge.export.lowerings import LOWERINGS
     from kvedge.runtime.backends import BACKENDS
@@ -467,6 +481,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="torch and native backends: an int8 cache (calibrated on the built-in text; a quarter of "
                         "float32's bytes); an export's cache dtype is set by kvedge export --kv-dtype")
     s.add_argument("--threads", type=int, default=0)
+    _activations_arg(s)
     s.add_argument("--json", action="store_true", help="print the result as JSON at the end instead of streaming")
     s.add_argument("--quiet", action="store_true")
     s.set_defaults(fn=cmd_generate)
@@ -526,6 +541,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--warmup", type=int, default=1)
     s.add_argument("--repeat", type=int, default=3)
     s.add_argument("--threads", type=int, default=0)
+    _activations_arg(s)
     s.add_argument("--reference", help="checkpoint for the torch backend (default: the one the export recorded)")
     s.add_argument("--device", default=None, help="torch device (default: cuda if present, else cpu)")
     s.add_argument("-o", "--out", default="bench-report", help="report folder (default ./bench-report)")
@@ -545,6 +561,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--min-cosine", type=float, help="override: minimum cosine per step")
     s.add_argument("--reference", help="checkpoint to compare against (default: the one the export recorded)")
     s.add_argument("--threads", type=int, default=0)
+    _activations_arg(s)
     s.add_argument("-o", "--out", default="parity-report")
     s.add_argument("--quiet", action="store_true")
     s.set_defaults(fn=cmd_parity)
@@ -563,6 +580,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--reference", help="checkpoint to compare against (default: the export's source checkpoint)")
     s.add_argument("--batch", type=int, default=4, help="rows evaluated together (default 4)")
     s.add_argument("--threads", type=int, default=0)
+    _activations_arg(s)
     s.add_argument("--json", action="store_true")
     s.add_argument("--quiet", action="store_true")
     s.set_defaults(fn=cmd_eval)

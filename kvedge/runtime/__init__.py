@@ -15,19 +15,24 @@ from kvedge.runtime.session import GenerationResult, Session
 def load(path: str | Path, backend: str = "auto", *, max_batch: int | None = None, max_seq_len: int = 2048,
          threads: int = 0, providers: list[str] | None = None, device: str | None = None,
          dtype: str | None = None, chunk_size: int = 512, quantize: str | None = "int4",
-         kv_dtype: str | None = None) -> Session:
+         kv_dtype: str | None = None, activations: str = "int8", fused_attention: bool = True) -> Session:
     """Open a session. `path` is an export folder (kvedge.json; backend onnxruntime or tensorrt), a Hugging
     Face checkpoint (config.json) or a GGUF file (backend torch, or native). backend="auto" picks by what the folder holds.
     quantize: the native backend's weights (int4, int8, or None for float32; see NativeBackend).
     kv_dtype: "int8" for an int8 cache calibrated on the built-in text (torch and native backends; an
-    export's cache dtype is fixed at export)."""
+    export's cache dtype is fixed at export).
+    activations: the native backend's projection inputs, "int8" (fast) or "int16" (within float rounding of
+    the torch model; see NativeBackend).
+    fused_attention=False: the torch backend on CUDA keeps the reference attention op instead of the Triton
+    kernels, so that it can stand as the reference another backend (TensorRT) is compared to."""
     from kvedge.runtime.tokenizer import Tokenizer
 
     path = Path(path)
     info = backends.for_path(path) if backend == "auto" else backends.get(backend)
     be = info.open(path, backends.LoadOptions(max_batch=max_batch, max_seq_len=max_seq_len, threads=threads,
                                               providers=providers, device=device, dtype=dtype, quantize=quantize,
-                                              kv_dtype=kv_dtype))
+                                              kv_dtype=kv_dtype, activations=activations,
+                                              fused_attention=fused_attention))
     tokenizer = Tokenizer(path) if path.suffix == ".gguf" or (path / "tokenizer.json").is_file() else None
     return Session(be, tokenizer, chunk_size=chunk_size)
 

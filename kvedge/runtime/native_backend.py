@@ -5,10 +5,11 @@ Why it exists: at int4 a decode step of a small model is dominated by per-node o
 runtime, not by the weights it reads; this engine runs a whole step as one call with one thread team.
 It runs the one model definition: the checkpoint is loaded with kvedge's loader and quantized by
 kvedge.models.quant (round to nearest) or taken as it is (a pre-quantized AWQ / GPTQ checkpoint), and
-the engine reads those same MatMulNBits bytes in place. Projections compute with int8 activations per
-32 input channels (ONNX Runtime's accuracy_level 4 scheme); norms, RoPE, attention and the cache are
-float32 (or an int8 cache, kv_dtype="int8"). Caches are torch tensors [max_batch, kv_heads, max_seq_len, head_dim], allocated once and
-written in place by the engine.
+the engine reads those same MatMulNBits bytes in place (a GGUF file's blocks too). Projections compute with
+int8 activations per 32 input channels (ONNX Runtime's accuracy_level 4 scheme, and llama.cpp's), or int16
+ones (activations="int16": within float rounding of the torch model); norms, RoPE, attention and the cache
+are float32 (or an int8 cache, kv_dtype="int8"). Caches are torch tensors [max_batch, kv_heads,
+max_seq_len, head_dim], allocated once and written in place by the engine.
 
 Supported: RMSNorm decoders with rotary positions (llama, mistral, qwen2, qwen3, gemma, gemma2, phi3).
 Refused with a reason: LayerNorm / learned positions (gpt2), a cache other than float32 or int8.
@@ -36,13 +37,15 @@ from kvedge.runtime.backend import CacheList
 SOURCE = Path(__file__).with_name("native") / "kvedge_cpu.c"
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 _ACTS = {"silu": 0, "gelu": 1, "gelu_tanh": 2}
+ACTIVATIONS = {"int8": 1, "int16": 2}  # a quantized projection's input: int8, or int16 as two int8 planes
 
 
 class Linear(ctypes.Structure):
     _c_struct_ = "kv_linear"  # the C struct this mirrors, field for field (check_layout)
     _fields_ = [("n", ctypes.c_int32), ("k", ctypes.c_int32), ("bits", ctypes.c_int32), ("sym", ctypes.c_int32),
                 ("zsym", ctypes.c_float), ("q", ctypes.c_void_p), ("s", ctypes.c_void_p), ("z", ctypes.c_void_p),
-                ("mins", ctypes.c_void_p), ("w", ctypes.c_void_p), ("bias", ctypes.c_void_p)]
+                ("mins", ctypes.c_void_p), ("w", ctypes.c_void_p), ("bias", ctypes.c_void_p), ("planes", ctypes.c_int32),
+                ("s32", ctypes.c_void_p), ("mins32", ctypes.c_void_p)]
 
 
 class Layer(ctypes.Structure):
@@ -132,6 +135,7 @@ def compile_engine(flags: tuple[str, ...] = FLAGS, cache_dir: str | Path | None 
     dll.kv_stride.argtypes = [ctypes.c_int]
     dll.kv_pack.argtypes = [ctypes.POINTER(Linear), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
     dll.kv_pack_mins.argtypes = [ctypes.POINTER(Linear), ctypes.c_void_p, ctypes.c_int]
+    dll.kv_pack_affine32.argtypes = [ctypes.POINTER(Linear), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
     dll.kv_linear_forward.argtypes = [ctypes.POINTER(Linear), ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
                                       ctypes.c_int]
     dll.kv_scratch_bytes.argtypes = [ctypes.POINTER(Model), ctypes.c_int, ctypes.c_int, ctypes.c_int]
@@ -155,9 +159,11 @@ class _Keep:
         return t.data_ptr()
 
 
-def pack_linear(dll: ctypes.CDLL, mod: nn.Module, keep: _Keep) -> Linear:
+def pack_linear(dll: ctypes.CDLL, mod: nn.Module, keep: _Keep, activations: str = "int8") -> Linear:
     """A QuantLinear (its MatMulNBits bytes, read in place) or a float nn.Linear as the engine's Linear. An
-    affine QuantLinear (`mins`: w = q * scale + min, GGUF's Q4_1) runs with its float16 mins."""
+    affine QuantLinear (`mins`: w = q * scale + min, GGUF's Q4_1) runs with its float16 mins, or with float32
+    scales and mins where they are not float16 values (GGUF's Q4_K / Q5_K: d * sc, dmin * m). activations:
+    a quantized linear's input precision (ACTIVATIONS)."""
     bias = getattr(mod, "bias", None)
     bias = keep(None if bias is None else bias.detach().float().contiguous())
     if not isinstance(mod, QuantLinear):
@@ -172,16 +178,24 @@ def pack_linear(dll: ctypes.CDLL, mod: nn.Module, keep: _Keep) -> Linear:
     mins = getattr(mod, "mins", None)
     zeros = None if mins is not None else unpack_zeros(mod.zeros, bits, n, groups).contiguous()
     mid = 2 ** (bits - 1)
+    stride = dll.kv_stride(k)  # per-sub-block figures per row, padded to whole chunks of 8
+    if mins is not None and not all(torch.equal(v.float().half().float(), v.float()) for v in (mod.scales, mins)):
+        lin = Linear(n, k, bits, 0, float(mid), keep(mod.qweight.contiguous()), 0, 0, 0, 0, bias,
+                     ACTIVATIONS[activations], keep(torch.empty(n * stride)), keep(torch.empty(n * stride)))
+        if dll.kv_pack_affine32(ctypes.byref(lin), keep(mod.scales.float().contiguous()),
+                                keep(mins.float().contiguous()), group):
+            raise KvedgeError(f"kv_pack_affine32 refused a {n}x{k} linear in groups of {group}")
+        return lin
     sym = mins is None and bool((zeros == mid).all())
     # the engine keeps scales (and an affine block's mins) in 16 bits: kvedge's quantizer, AWQ / GPTQ and GGUF's
     # Q4_0 / Q8_0 / Q4_1 make them float16 values
     half = _half_exact(mod.scales.float().contiguous(), "scales", n, k)
-    stride = dll.kv_stride(k)  # per-sub-block figures per row, padded to whole chunks of 8
     s = torch.empty(n * stride, dtype=torch.int16)
-    m16 = None if mins is None else _half_exact(mins.float().contiguous(), "mins", n, k)
+    m16 = None if mins is None else mins.float().half().contiguous()  # float16 values: checked above
     z = None if sym or mins is not None else torch.empty(n * stride, dtype=torch.uint8)
     lin = Linear(n, k, bits, int(sym), float(mid), keep(mod.qweight.contiguous()), keep(s), keep(z),
-                 keep(None if m16 is None else torch.empty(n * stride, dtype=torch.int16)), 0, bias)
+                 keep(None if m16 is None else torch.empty(n * stride, dtype=torch.int16)), 0, bias,
+                 ACTIVATIONS[activations])
     if dll.kv_pack(ctypes.byref(lin), keep(half.view(torch.int16)), keep(zeros), group) or (
             m16 is not None and dll.kv_pack_mins(ctypes.byref(lin), keep(m16.view(torch.int16)), group)):
         raise KvedgeError(f"kv_pack refused a {n}x{k} linear in groups of {group}")
@@ -196,6 +210,28 @@ def _half_exact(v: torch.Tensor, what: str, n: int, k: int) -> torch.Tensor:
                           f"cannot hold exactly; quantize it with kvedge.models.quant (which rounds them up to "
                           f"float16 values)")
     return half
+
+
+def _floats_for_narrow_blocks(model: nn.Module) -> list[str]:
+    """A GGUF file's linears in blocks of 16 channels (Q6_K), which the engine's 32-channel kernels cannot
+    hold, as float32 linears with the file's values (exact, four bytes a weight instead of 0.8): their names,
+    which are also said on stderr, so the slower, larger run is never a silent one."""
+    from kvedge.models.quant import dequantize
+
+    names = [n for n, m in model.named_modules() if isinstance(m, QuantLinear) and m.group % 32]
+    for name in names:
+        m = model.get_submodule(name)
+        lin = nn.Linear(m.in_features, m.out_features, bias=m.bias is not None)
+        lin.weight.data = dequantize(m.qweight, m.scales, m.zeros, m.bits, m.in_features, m.mins)
+        if m.bias is not None:
+            lin.bias.data = m.bias.detach().float()
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child, lin)
+    if names:
+        print(f"kvedge: the native engine runs {len(names)} linear(s) in blocks of 16 channels (GGUF Q6_K) as "
+              f"float32 with the file's values: {', '.join(names[:4])}{' ...' if len(names) > 4 else ''}",
+              file=sys.stderr)
+    return names
 
 
 def unsupported(cfg) -> list[str]:
@@ -216,14 +252,19 @@ class NativeBackend(CacheList):
     def __init__(self, model_dir: str | Path, max_batch: int = 1, max_seq_len: int = 2048, threads: int = 0,
                  quantize: str | None = "int4", group_size: int = 32, symmetric: bool = True,
                  quantize_lm_head: bool = True, model: nn.Module | None = None, kv_dtype: str | None = None,
-                 kv_scales=None):
+                 kv_scales=None, activations: str = "int8"):
         """model_dir: a Hugging Face checkpoint (pre-quantized AWQ / GPTQ ones run as they are). quantize: None
         keeps float32 projections; int8 / int4 round to nearest per group (as `kvedge export --quantize`).
         model: an already built (and quantized) Decoder to run instead of loading model_dir.
         kv_dtype "int8": an int8 cache (a quarter of float32's bytes) with per-layer, KV head and channel
         scales, kv_scales (k_scales, v_scales) as kvedge.runtime.calibration.calibrate_kv_scales gives them, or
         calibrated here on the built-in text through the (quantized) model, as `kvedge export --kv-dtype
-        int8` does; new K/V are quantized on write and attention reads them dequantized, as the reference op."""
+        int8` does; new K/V are quantized on write and attention reads them dequantized, as the reference op.
+        activations: what a quantized projection multiplies its weights with. "int8" (per 32 channels, as
+        llama.cpp and ONNX Runtime's accuracy level 4 do) is the fast one; "int16" (two int8 planes) is within
+        float rounding of the torch model, for twice the multiply-adds: it decodes almost as fast (weight
+        reads dominate) and prefills slower."""
+        self.float_linears: list[str] = []  # GGUF linears run as float32 (_floats_for_narrow_blocks)
         if model is None:
             if not is_checkpoint(model_dir):
                 raise KvedgeError(f"{model_dir}: the native backend loads a Hugging Face checkpoint (config.json) "
@@ -235,6 +276,7 @@ class NativeBackend(CacheList):
                 head = tied_head(model_dir, model)
                 if head is not None:
                     model.lm_head = head
+                self.float_linears = _floats_for_narrow_blocks(model)
             elif quantize and not getattr(model, "prequantized", None):
                 if quantize not in QUANT_BITS:
                     raise KvedgeError(f"quantize {quantize!r}: expected int8, int4 or None")
@@ -245,6 +287,9 @@ class NativeBackend(CacheList):
         if why:
             raise KvedgeError(f"the native backend cannot run this {cfg.arch} model: {'; '.join(why)}; use the "
                               f"onnxruntime or torch backend")
+        if activations not in ACTIVATIONS:
+            raise KvedgeError(f"activations {activations!r}: the native engine's are {' or '.join(ACTIVATIONS)}")
+        self.activations = activations
         self.dll = compile_engine()
         self.model = model
         self.max_batch, self.max_seq_len = max_batch, max_seq_len
@@ -272,7 +317,7 @@ class NativeBackend(CacheList):
                 norm = getattr(blk, name, None)
                 setattr(ly, name, keep(None if norm is None else norm.weight.detach().float().contiguous()))
             for name in ("qkv", "o", "up", "down"):
-                setattr(ly, name, pack_linear(self.dll, getattr(blk, name), keep))
+                setattr(ly, name, pack_linear(self.dll, getattr(blk, name), keep, activations))
             ly.window = blk.window or 0
             ly.k_cache, ly.v_cache = self.caches[2 * i].data_ptr(), self.caches[2 * i + 1].data_ptr()
             if self.kv_scales is not None:
@@ -287,7 +332,8 @@ class NativeBackend(CacheList):
                        int(cfg.norm_unit_offset), max_batch, max_seq_len, cfg.norm_eps, cfg.attn_scale,
                        cfg.attn_softcap or 0.0, cfg.final_softcap or 0.0, cfg.embed_scale,
                        keep(model.embed.weight.detach().float().contiguous()),
-                       keep(model.norm.weight.detach().float().contiguous()), pack_linear(self.dll, head, keep),
+                       keep(model.norm.weight.detach().float().contiguous()),
+                       pack_linear(self.dll, head, keep, activations),
                        keep(cos.contiguous()), keep(sin.contiguous()), layers)
         self.logits = torch.empty((max_batch, 1, cfg.vocab_size))
         self.scratch = torch.empty(0, dtype=torch.uint8)  # the engine's work buffers, grown to the largest chunk
@@ -321,7 +367,7 @@ def open_backend(path: Path, o, export: Path | None = None) -> NativeBackend:
     unquantized export; a pre-quantized checkpoint runs as it is."""
     if export is None:
         return NativeBackend(path, max_batch=o.max_batch or 1, max_seq_len=o.max_seq_len, threads=o.threads,
-                             quantize=o.quantize, kv_dtype=o.kv_dtype)
+                             quantize=o.quantize, kv_dtype=o.kv_dtype, activations=o.activations)
     from kvedge.artifact import Sidecar
 
     q = Sidecar.read(export).extra.get("quantization") or {}
@@ -332,4 +378,4 @@ def open_backend(path: Path, o, export: Path | None = None) -> NativeBackend:
         quantize=q.get("scheme"), group_size=q.get("group_size", 32), symmetric=bool(q.get("symmetric")),
         quantize_lm_head=bool(q.get("lm_head")))
     return NativeBackend(path, max_batch=o.max_batch or 1, max_seq_len=o.max_seq_len, threads=o.threads,
-                         kv_dtype=o.kv_dtype, **opts)
+                         kv_dtype=o.kv_dtype, activations=o.activations, **opts)

@@ -302,3 +302,33 @@ def test_rope_frequency_factors_other_than_llama3s_are_refused(hf_model, tmp_pat
     f = write_gguf(tmp_path / "m.gguf", ckpt, extra=lambda w: w.add_tensor("rope_freqs.weight", factors))
     with pytest.raises(ConfigError, match=r"rope_freqs\.weight: RoPE frequency factors .* are not those of Llama 3"):
         load_config(f)
+
+
+# -- the native engine on the file's integers ---------------------------------------------------------------
+@pytest.mark.skipif(importlib.util.find_spec("kvedge.runtime.native_backend") is None
+                    or not __import__("kvedge.runtime.native_backend", fromlist=["c_compiler"]).c_compiler(),
+                    reason="the native engine needs a C compiler")
+@pytest.mark.parametrize("qtype,types", [("Q4_1", {}), ("Q4_K", {}), ("Q5_K", {}),
+                                         ("Q4_K", {"ffn_down.weight": "Q6_K", "output.weight": "Q6_K"})])
+def test_the_native_engine_runs_the_files_blocks(qtype, types, hf_model, gguf_file, capsys):
+    """The native engine (int16 activations) on the file: Q4_1's float16 figures, Q4_K / Q5_K's float32 d * sc
+    and dmin * m, and Q6_K's 16-channel blocks as float32 (said on stderr); its logits over a prefill and
+    teacher-forced decode steps equal transformers' reading of the same file within 1e-3 of the largest."""
+    from kvedge.runtime.native_backend import NativeBackend
+
+    case = "llama-256"
+    path = gguf_file(case, qtype, **types)
+    native = NativeBackend(path, max_seq_len=PROMPT + STEPS, threads=2, activations="int16")
+    narrow = [f"layers.{i}.down" for i in range(native.cfg.num_layers)] + ["lm_head"] if types else []
+    assert native.float_linears == narrow
+    assert ("blocks of 16 channels" in capsys.readouterr().err) == bool(types)
+    packed = [getattr(ly, n) for ly in native._layers for n in ("qkv", "o", "up", "down")] + [native.m.lm_head]
+    layers = native.cfg.num_layers  # K-quants: float32 figures; Q6_K: float
+    assert sum(bool(lin.s32) for lin in packed) == (0 if qtype == "Q4_1" else 3 * layers if types else 4 * layers + 1)
+    ids = torch.randint(3, native.cfg.vocab_size, (1, PROMPT + STEPS), generator=torch.Generator().manual_seed(3))
+    want = reference(case, path, hf_model)(ids).logits[0]
+    got = [native.forward(ids[:, :PROMPT], torch.arange(PROMPT)[None], torch.tensor([PROMPT - 1]))[0, 0].clone()]
+    for p in range(PROMPT, PROMPT + STEPS - 1):
+        got.append(native.forward(ids[:, p:p + 1], torch.tensor([[p]]), torch.tensor([0]))[0, 0].clone())
+    want = want[PROMPT - 1:PROMPT + STEPS - 1]
+    assert (torch.stack(got) - want).abs().max() <= 1e-3 * want.abs().max()

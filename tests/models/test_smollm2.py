@@ -93,15 +93,19 @@ def test_the_ort_export_keeps_the_integers_and_its_perplexity(exported, model, r
     assert evaluate(session, token_rows, text).perplexity == pytest.approx(perplexity(model, token_rows), rel=1e-3)
 
 
-def test_the_native_engine_runs_the_files_weights(model, rows):
-    """Affine Q4_1 blocks as they are, the tied head on the Q8_0 integers; int8 activations per 32 channels
-    (as llama.cpp's Q8_1 / Q8_0 dot products) move the perplexity a little, not the model."""
+@pytest.mark.parametrize("activations", ["int8", "int16"])
+def test_the_native_engine_runs_the_files_weights(model, rows, activations):
+    """Affine Q4_1 blocks as they are, the tied head on the Q8_0 integers. int8 activations per 32 channels
+    (as llama.cpp's Q8_1 / Q8_0 dot products) move the perplexity a little, not the model, and flip the chat
+    answer's first token from a near tie (llama.cpp answers as they do); int16 ones give torch's figures."""
     from kvedge.bench.eval import evaluate
     from kvedge.export.verify import perplexity
     from kvedge.runtime import load
 
-    session = load(GGUF, "native", max_batch=2, max_seq_len=256, threads=2)
+    session = load(GGUF, "native", max_batch=2, max_seq_len=256, threads=2, activations=activations)
     assert isinstance(session.backend.model.lm_head, QuantLinear) and session.backend.model.lm_head.bits == 8
     token_rows, text = rows
     got = evaluate(session, token_rows, text).perplexity
-    assert got == pytest.approx(perplexity(model, token_rows), rel=0.03)
+    assert got == pytest.approx(perplexity(model, token_rows), rel={"int8": 0.03, "int16": 1e-3}[activations])
+    if activations == "int16":
+        assert "Paris" in session.generate(QUESTION, chat=True, max_new_tokens=12).texts[0]

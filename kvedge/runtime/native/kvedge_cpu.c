@@ -14,7 +14,9 @@
  * scale one) and z the group zero point. This is ONNX Runtime's accuracy_level 4 scheme (int8
  * activations); the dot products are integer.
  * Affine blocks (GGUF's Q4_1: w = q * d + m, d and m float16) run as they are, without re-rounding the
- * weights: y[n] = sum_sb sw * sa * dot(q, xq) + m * sa * sum(xq), with the file's float16 mins (l->mins).
+ * weights: y[n] = sum_sb sw * sa * dot(q, xq) + m * sa * sum(xq), with the file's float16 mins (l->mins), or,
+ * for K-quants (Q4_K, Q5_K: scale d * sc and min dmin * m, not float16 values), float32 scales and mins
+ * (l->s32, l->mins32).
  * For speed, every 8 sub-blocks are reduced together: their scales are stored in the order the reduction
  * produces them (kv_slot), and the activations' per-sub-block figures are written in that order too, so
  * no shuffle happens per weight. A call computes 4 weight rows against 1 or 2 activation rows (each
@@ -59,6 +61,10 @@ typedef struct {
                                * NULL unless affine (then sym is 0 and z NULL) */
     const float *w;           /* fp32 weight [n][k] instead of q/s/z (an unquantized linear) */
     const float *bias;        /* [n] or NULL */
+    int32_t planes;           /* activations: 1 (or 0), int8 per sub-block; 2, int16 as two int8 planes
+                               * (quantize_row16), which doubles the kernels' multiply-adds, not the weight reads */
+    float *s32, *mins32;      /* [n][kv_stride(k)] an affine linear's float32 scales and mins (kv_pack_affine32)
+                               * instead of s and mins; NULL otherwise */
 } kv_linear;
 
 /* Per-sub-block figures (scales, zero points, activation scales) are stored per row with a stride of
@@ -103,11 +109,37 @@ int kv_pack_mins(kv_linear *l, const uint16_t *mins, int group) {
     return 0;
 }
 
-/* One row of activations quantized for the kernels: xq [k] in kernel byte order, each pair of sub-blocks
- * as [sb0 A, sb1 A, sb0 B, sb1 B] and a lone last sub-block as [A, B], where A and B are the 16 channels
- * the weight vectors pair them with (chunk_sums): 4 bits, the even and the odd channels (low and high
- * nibbles); 8 bits, the first and the last 16, swapped for the second of a pair. sa and c = sa *
- * sum(xq) [kv_stride(k)] per sub-block at kv_slot, zero-padded. */
+/* Where a sub-block's 32 quantized activations qv go in a row xq [k] in kernel byte order: each pair of
+ * sub-blocks as [sb0 A, sb1 A, sb0 B, sb1 B] and a lone last sub-block as [A, B], where A and B are the 16
+ * channels the weight vectors pair them with (chunk_sums): 4 bits, the even and the odd channels (low and
+ * high nibbles); 8 bits, the first and the last 16, swapped for the second of a pair. */
+static inline void place_sub_block(const int8_t *qv, int sb, int nsb, int bits, int8_t *xq) {
+    int pair = sb & ~1, lone = (pair + 1 == nsb);
+    int8_t *base = xq + pair * SB;
+    int half = lone ? 16 : 32, off = lone ? 0 : (sb & 1) * 16, swap = off ? 16 : 0;
+    for (int i = 0; i < 16; i++) {
+        base[off + i] = bits == 4 ? qv[2 * i] : qv[swap + i];
+        base[half + off + i] = bits == 4 ? qv[2 * i + 1] : qv[(16 ^ swap) + i];
+    }
+}
+
+/* Fill l->s32 and l->mins32 (allocated by the caller, n * kv_stride(k) floats each) from an affine block's
+ * per-group float32 scales and mins [n][k / group]: a K-quant's d * sc and -dmin * m, kept as they are. */
+int kv_pack_affine32(kv_linear *l, const float *scales, const float *mins, int group) {
+    if (!l->s32 || !l->mins32 || l->s || l->mins || l->sym || l->k % SB || group % SB || l->k % group) return -1;
+    int nsb = l->k / SB, ng = l->k / group, per = group / SB, st = sub_stride(l->k);
+    memset(l->s32, 0, sizeof(float) * (size_t)l->n * st);
+    memset(l->mins32, 0, sizeof(float) * (size_t)l->n * st);
+    for (int n = 0; n < l->n; n++)
+        for (int sb = 0; sb < nsb; sb++) {
+            size_t at = (size_t)n * st + kv_slot(sb), from = (size_t)n * ng + sb / per;
+            l->s32[at] = scales[from], l->mins32[at] = mins[from];
+        }
+    return 0;
+}
+
+/* One row of activations quantized for the kernels: xq [k] in kernel byte order (place_sub_block), and sa and
+ * c = sa * sum(xq) [kv_stride(k)] per sub-block at kv_slot, zero-padded. */
 static void quantize_row(const float *x, int k, int bits, int8_t *xq, float *sa, float *c) {
     int nsb = k / SB;
     memset(sa, 0, sizeof(float) * sub_stride(k));
@@ -151,30 +183,68 @@ static void quantize_row(const float *x, int k, int bits, int8_t *xq, float *sa,
         int slot = kv_slot(sb);
         sa[slot] = d;
         c[slot] = d * (float)sum;
-        int pair = sb & ~1, lone = (pair + 1 == nsb);
-        int8_t *base = xq + pair * SB;
-        int half = lone ? 16 : 32, off = lone ? 0 : (sb & 1) * 16, swap = off ? 16 : 0;
-        for (int i = 0; i < 16; i++) {
-            base[off + i] = bits == 4 ? qv[2 * i] : qv[swap + i];
-            base[half + off + i] = bits == 4 ? qv[2 * i + 1] : qv[(16 ^ swap) + i];
+        place_sub_block(qv, sb, nsb, bits, xq);
+    }
+}
+
+/* One row of activations as int16 per sub-block, xi = round(x * 16256 / amax), held as two int8 planes the
+ * kernels take as two activation rows: hi = round(xi / 128) in [-127, 127] and lo = xi - 128 hi in [-64, 63],
+ * with scales 128 d and d (d = amax / 16256), so the two rows' dot products add up to the int16 one. An
+ * activation's error is at most amax / 32512 of its sub-block's largest, against amax / 254 for int8. */
+static void quantize_row16(const float *x, int k, int bits, int8_t *xq, float *sa, float *c, int8_t *xq_lo,
+                           float *sa_lo, float *c_lo) {
+    int nsb = k / SB;
+    memset(sa, 0, sizeof(float) * sub_stride(k)), memset(c, 0, sizeof(float) * sub_stride(k));
+    memset(sa_lo, 0, sizeof(float) * sub_stride(k)), memset(c_lo, 0, sizeof(float) * sub_stride(k));
+    for (int sb = 0; sb < nsb; sb++) {
+        const float *v = x + sb * SB;
+        int8_t hi[SB], lo[SB];
+        int sum_hi = 0, sum_lo = 0;
+        float amax = 0.f;
+        for (int i = 0; i < SB; i++) amax = fabsf(v[i]) > amax ? fabsf(v[i]) : amax;
+        float d = amax / 16256.f, id = amax > 0.f ? 16256.f / amax : 0.f;
+        for (int i = 0; i < SB; i++) {
+            int xi = (int)nearbyintf(v[i] * id), h = (xi + 64) >> 7; /* an arithmetic shift: floor */
+            hi[i] = (int8_t)h, lo[i] = (int8_t)(xi - 128 * h);
+            sum_hi += hi[i], sum_lo += lo[i];
         }
+        int slot = kv_slot(sb);
+        sa[slot] = 128.f * d, c[slot] = 128.f * d * (float)sum_hi;
+        sa_lo[slot] = d, c_lo[slot] = d * (float)sum_lo;
+        place_sub_block(hi, sb, nsb, bits, xq);
+        place_sub_block(lo, sb, nsb, bits, xq_lo);
     }
 }
 
 #define ROWS 4 /* weight rows a kernel call computes together (sharing activation loads and the final sums) */
 
 #if KV_AVX2
-static inline __m256i dot_u8s8(__m256i acc, __m256i u, __m256i s) {
+/* acc + the sums of each 4 adjacent products u * s (u unsigned bytes below 2^bits, s signed bytes) */
+static inline __m256i dot_u8s8(const int bits, __m256i acc, __m256i u, __m256i s) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
     return _mm256_dpbusd_epi32(acc, u, s);
 #elif defined(__AVXVNNI__)
     return _mm256_dpbusd_avx_epi32(acc, u, s);
-#else /* widen to 16 bits (maddubs would saturate on 8-bit weights), multiply-add pairs to 32 bits */
+#else
+    if (bits == 4) /* pairs of 4-bit weights times int8 stay within int16 (2 * 15 * 128): maddubs cannot saturate */
+        return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+    /* 8-bit weights: widen to 16 bits (maddubs would saturate), multiply-add pairs to 32 bits */
     __m256i zero = _mm256_setzero_si256();
     __m256i ulo = _mm256_unpacklo_epi8(u, zero), uhi = _mm256_unpackhi_epi8(u, zero);
     __m256i slo = _mm256_srai_epi16(_mm256_unpacklo_epi8(s, s), 8), shi = _mm256_srai_epi16(_mm256_unpackhi_epi8(s, s), 8);
     return _mm256_add_epi32(acc, _mm256_add_epi32(_mm256_madd_epi16(ulo, slo), _mm256_madd_epi16(uhi, shi)));
 #endif
+}
+
+/* dot_u8s8(dot_u8s8(0, u0, s0), u1, s1); for 4-bit weights without VNNI the two maddubs results are added
+ * in 16 bits first (at most 4 * 15 * 128), which saves a widening multiply-add */
+static inline __m256i dot2_u8s8(const int bits, __m256i u0, __m256i s0, __m256i u1, __m256i s1) {
+#if !(defined(__AVX512VNNI__) && defined(__AVX512VL__)) && !defined(__AVXVNNI__)
+    if (bits == 4)
+        return _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(u0, s0), _mm256_maddubs_epi16(u1, s1)),
+                                 _mm256_set1_epi16(1));
+#endif
+    return dot_u8s8(bits, dot_u8s8(bits, _mm256_setzero_si256(), u0, s0), u1, s1);
 }
 
 static inline __m256 load_half8(const uint16_t *h) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)h)); }
@@ -213,8 +283,8 @@ static inline __attribute__((always_inline)) void chunk_sums(const int bits, con
             }
             for (int j = 0; j < rm; j++) {
                 const int8_t *aa = a[j] + off + 64 * i;
-                __m256i acc = dot_u8s8(zero, wa, _mm256_loadu_si256((const __m256i *)aa));
-                p[j][i] = dot_u8s8(acc, wb, _mm256_loadu_si256((const __m256i *)(aa + 32)));
+                p[j][i] = dot2_u8s8(bits, wa, _mm256_loadu_si256((const __m256i *)aa), wb,
+                                    _mm256_loadu_si256((const __m256i *)(aa + 32)));
             }
         } else if (left == 1) { /* a lone last sub-block (activations [A, B]): lanes 0-3, 4-7 zero */
             const __m128i m16 = _mm_set1_epi8(0x0F);
@@ -226,7 +296,7 @@ static inline __attribute__((always_inline)) void chunk_sums(const int bits, con
                 w = _mm256_loadu_si256((const __m256i *)qp);
             }
             for (int j = 0; j < rm; j++) {
-                __m256i v = dot_u8s8(zero, w, _mm256_loadu_si256((const __m256i *)(a[j] + off + 64 * i)));
+                __m256i v = dot_u8s8(bits, zero, w, _mm256_loadu_si256((const __m256i *)(a[j] + off + 64 * i)));
                 p[j][i] = _mm256_zextsi128_si256(_mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1)));
             }
         } else {
@@ -237,10 +307,16 @@ static inline __attribute__((always_inline)) void chunk_sums(const int bits, con
         r[j] = _mm256_hadd_epi32(_mm256_hadd_epi32(p[j][0], p[j][1]), _mm256_hadd_epi32(p[j][2], p[j][3]));
 }
 
+/* 8 per-sub-block figures of a row from sb on: float16 (p), or float32 (p32, a K-quant's) where p32 is set */
+static inline __m256 load_fig8(const uint16_t *p, const float *p32, int sb) {
+    return p32 ? _mm256_loadu_ps(p32 + sb) : load_half8(p + sb);
+}
+
 /* out[j * ROWS + i] = row n0 + i of a 4- or 8-bit linear . activation row j, for i < ROWS (rows past the
  * end repeat the last) and j < rm (1 or 2: a second activation row reuses every weight load). aff (a
- * constant, as bits and rm): an affine linear, whose mins (l->mins) add m * c instead of a zero point's
- * -z * c term, so the uint8 and symmetric instances are the code they were. */
+ * constant, as bits and rm): an affine linear, whose mins add m * c instead of a zero point's -z * c term,
+ * so the uint8 and symmetric instances are the code they were; 1 with float16 scales and mins (l->s,
+ * l->mins), 2 with float32 ones (l->s32, l->mins32). */
 static inline __attribute__((always_inline)) void qdot_rows_w(const int bits, const int aff, const kv_linear *l,
                                                               const int rm, int n0, const int8_t *const *xq,
                                                               const float *const *sa, const float *const *c,
@@ -248,17 +324,19 @@ static inline __attribute__((always_inline)) void qdot_rows_w(const int bits, co
     int nsb = l->k / SB, st = sub_stride(l->k);
     size_t rb = (size_t)l->k * bits / 8, sbb = SB * bits / 8;
     const uint8_t *q[ROWS];
-    const uint16_t *sw[ROWS];
+    const uint16_t *sw[ROWS], *mr[ROWS];
+    const float *sw32[ROWS], *mr32[ROWS];
     const uint8_t *zr[ROWS];
-    const uint16_t *mr[ROWS];
     __m256 acc[ROWS][2];
 #pragma GCC unroll 4
     for (int i = 0; i < ROWS; i++) {
         size_t row = (size_t)(n0 + i < l->n ? n0 + i : l->n - 1);
         q[i] = l->q + row * rb;
-        sw[i] = l->s + row * st;
+        sw[i] = aff == 2 ? NULL : l->s + row * st;
+        sw32[i] = aff == 2 ? l->s32 + row * st : NULL;
         zr[i] = aff || l->sym ? NULL : l->z + row * st;
-        mr[i] = aff ? l->mins + row * st : NULL;
+        mr[i] = aff == 1 ? l->mins + row * st : NULL;
+        mr32[i] = aff == 2 ? l->mins32 + row * st : NULL;
         acc[i][0] = acc[i][1] = _mm256_setzero_ps();
     }
     const __m256 zs = _mm256_set1_ps(l->zsym);
@@ -272,9 +350,9 @@ static inline __attribute__((always_inline)) void qdot_rows_w(const int bits, co
                 chunk_sums(bits, rm, q[i] + sb * sbb, xq, (size_t)sb * SB, 8, r);
             else
                 chunk_sums(bits, rm, q[i] + sb * sbb, xq, (size_t)sb * SB, nsb - sb, r);
-            __m256 w = load_half8(sw[i] + sb);
+            __m256 w = load_fig8(sw[i], sw32[i], sb);
             if (aff) {
-                __m256 m = load_half8(mr[i] + sb);
+                __m256 m = load_fig8(mr[i], mr32[i], sb);
                 for (int j = 0; j < rm; j++)
                     acc[i][j] = _mm256_fmadd_ps(m, cv[j], _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(r[j]),
                                                                                         sav[j]), w, acc[i][j]));
@@ -295,7 +373,7 @@ static inline __attribute__((always_inline)) void qdot_rows_w(const int bits, co
 }
 
 /* The four instances (4 / 8 bits x 1 / 2 activation rows) of one kind of zero point: uint8 or symmetric (AFF 0),
- * or an affine linear's float ones (AFF 1), in two functions that linear_rows picks between once per call, so
+ * or an affine linear's float ones (AFF 1 float16, 2 float32), in two functions that linear_rows picks between once per call, so
  * the first one's code is what it was before affine linears existed. */
 #define QDOT_ROWS_OF(AFF)                                                                                         \
     if (l->bits == 4 && rm == 2)                                                                                  \
@@ -309,7 +387,11 @@ static inline __attribute__((always_inline)) void qdot_rows_w(const int bits, co
 
 static __attribute__((noinline)) void qdot_rows_affine(const kv_linear *l, int rm, int n0, const int8_t *const *xq,
                                                        const float *const *sa, const float *const *c, float *out) {
-    QDOT_ROWS_OF(1)
+    if (l->s32) {
+        QDOT_ROWS_OF(2)
+    } else {
+        QDOT_ROWS_OF(1)
+    }
 }
 
 static void qdot_rows(const kv_linear *l, int rm, int n0, const int8_t *const *xq, const float *const *sa,
@@ -346,9 +428,9 @@ static void qdot_rows(const kv_linear *l, int rm, int n0, const int8_t *const *x
             const int8_t *xq = xqs[j];
             const float *sa = sas[j], *c = cs[j];
             int n = n0 + i < l->n ? n0 + i : l->n - 1;
-            const uint16_t *sw = l->s + (size_t)n * st;
-            const uint8_t *q = l->q + (size_t)n * rb, *zr = l->mins || l->sym ? NULL : l->z + (size_t)n * st;
-            const uint16_t *mr = l->mins ? l->mins + (size_t)n * st : NULL;
+            const uint16_t *sw = l->s32 ? NULL : l->s + (size_t)n * st, *mr = l->mins ? l->mins + (size_t)n * st : NULL;
+            const float *sw32 = l->s32 ? l->s32 + (size_t)n * st : NULL, *mr32 = l->s32 ? l->mins32 + (size_t)n * st : NULL;
+            const uint8_t *q = l->q + (size_t)n * rb, *zr = l->mins || l->s32 || l->sym ? NULL : l->z + (size_t)n * st;
             float y = 0.f;
             for (int sb = 0; sb < nsb; sb++) {
                 int d = 0, pair = sb & ~1, lone = (pair + 1 == nsb);
@@ -360,12 +442,13 @@ static void qdot_rows(const kv_linear *l, int rm, int n0, const int8_t *const *x
                     d += a * base[off + t] + b * base[half + off + t];
                 }
                 int slot = kv_slot(sb);
-                if (mr) {
-                    y += half_to_float(sw[slot]) * (sa[slot] * (float)d) + half_to_float(mr[slot]) * c[slot];
+                float w = sw32 ? sw32[slot] : half_to_float(sw[slot]);
+                if (mr || mr32) {
+                    y += w * (sa[slot] * (float)d) + (mr32 ? mr32[slot] : half_to_float(mr[slot])) * c[slot];
                     continue;
                 }
                 float z = zr ? zr[slot] : l->zsym;
-                y += half_to_float(sw[slot]) * (sa[slot] * (float)d - z * c[slot]);
+                y += w * (sa[slot] * (float)d - z * c[slot]);
             }
             out[j * ROWS + i] = y;
         }
@@ -390,18 +473,22 @@ static inline void span(int rep, int n, int *r0, int *r1) {
     *r0 = (int)((long)n * t / nt), *r1 = (int)((long)n * (t + 1) / nt);
 }
 
-/* prefetch weight rows [n0, n1) of a quantized linear (bytes and scales; an affine one's float zero points,
- * twice its scales' bytes, too) */
+/* prefetch `bytes` from p on */
+static inline void fetch_span(const void *p, size_t bytes) {
+    for (size_t o = 0; o < bytes; o += 64) PREFETCH_L2((const char *)p + o);
+}
+
+/* prefetch weight rows [n0, n1) of a quantized linear: bytes, scales and an affine one's mins */
 static inline void fetch_rows(const kv_linear *l, int n0, int n1) {
     if (l->w || n1 <= n0) return;
-    size_t rb = (size_t)l->k * l->bits / 8, st = sub_stride(l->k);
-    const char *q = (const char *)(l->q + (size_t)n0 * rb), *s = (const char *)(l->s + (size_t)n0 * st);
-    for (size_t o = 0; o < (size_t)(n1 - n0) * rb; o += 64) PREFETCH_L2(q + o);
-    for (size_t o = 0; o < sizeof(uint16_t) * (n1 - n0) * st; o += 64) PREFETCH_L2(s + o);
-    if (l->mins) {
-        const char *m = (const char *)(l->mins + (size_t)n0 * st);
-        for (size_t o = 0; o < sizeof(uint16_t) * (n1 - n0) * st; o += 64) PREFETCH_L2(m + o);
+    size_t rb = (size_t)l->k * l->bits / 8, st = sub_stride(l->k), at = (size_t)n0 * st, figs = (size_t)(n1 - n0) * st;
+    fetch_span(l->q + (size_t)n0 * rb, (size_t)(n1 - n0) * rb);
+    if (l->s32) {
+        fetch_span(l->s32 + at, sizeof(float) * figs), fetch_span(l->mins32 + at, sizeof(float) * figs);
+        return;
     }
+    fetch_span(l->s + at, sizeof(uint16_t) * figs);
+    if (l->mins) fetch_span(l->mins + at, sizeof(uint16_t) * figs);
 }
 
 /* Byte ranges a thread fetches into L2 a share at a time while it streams a projection's weights: decode's
@@ -444,19 +531,25 @@ static void fetch_head(const kv_linear *l) {
 }
 
 /* y[m][n] = x[m] . W[n] (+ bias) for m rows; called inside a parallel region (tiles of ROWS rows of W
- * split between the threads), it ends with a barrier. xq, sa, c: scratch for m rows (m * k bytes,
- * m * sub_stride(k) floats); with rep, this thread's own. next: the projection that follows, whose weight
+ * split between the threads), it ends with a barrier. xq, sa, c: scratch for 2m rows (2m * k bytes,
+ * 2m * sub_stride(k) floats: an int16 linear's two planes per row); with rep, this thread's own. next: the projection that follows, whose weight
  * stream this thread starts before the barrier. more (or NULL): ranges fetched along the way. */
 static void linear_rows(const kv_linear *l, int m, const float *x, float *y, int8_t *xq, float *sa, float *c,
                         int rep, const kv_linear *next, kv_fetch *more) {
     int st = sub_stride(l->k), n_start, n_end;
     int ahead = my_rows(l, &n_start, &n_end);
     size_t share = more ? more->total / ((n_end - n_start) / ROWS + 1) + 64 : 0; /* of `more`, a tile */
-    int r0, r1; /* rep: each thread quantizes the (few) rows into its own buffers, no barrier needed */
+    int r0, r1, p2 = l->planes == 2 && !l->w; /* rep: each thread quantizes the (few) rows into its own buffers */
     span(rep, m, &r0, &r1);
-    for (int r = r0; r < r1 && !l->w; r++)
-        quantize_row(x + (size_t)r * l->k, l->k, l->bits, xq + (size_t)r * l->k, sa + (size_t)r * st,
-                     c + (size_t)r * st);
+    for (int r = r0; r < r1 && !l->w; r++) {
+        const float *xr = x + (size_t)r * l->k;
+        if (p2) /* row r's planes are rows 2r and 2r + 1 */
+            quantize_row16(xr, l->k, l->bits, xq + (size_t)2 * r * l->k, sa + (size_t)2 * r * st, c + (size_t)2 * r * st,
+                           xq + (size_t)(2 * r + 1) * l->k, sa + (size_t)(2 * r + 1) * st,
+                           c + (size_t)(2 * r + 1) * st);
+        else
+            quantize_row(xr, l->k, l->bits, xq + (size_t)r * l->k, sa + (size_t)r * st, c + (size_t)r * st);
+    }
     if (!rep) { /* every row's input (and its quantization) is complete before any tile reads it */
 #pragma omp barrier
     }
@@ -465,21 +558,25 @@ static void linear_rows(const kv_linear *l, int m, const float *x, float *y, int
         if (n0 + ahead < n_end) /* decode streams every weight once: fetch ahead */
             fetch_rows(l, n0 + ahead, n0 + ahead + ROWS < n_end ? n0 + ahead + ROWS : n_end);
         if (more) fetch_some(more, share);
-        for (int r = 0; r < m; r += 2) {
-            int rm = r + 1 < m ? 2 : 1;
+        for (int r = 0; r < m; r += 2 - p2) { /* two rows at once, or one row's two planes */
+            int rm = r + 1 < m || p2 ? 2 : 1, qr = p2 ? 2 * r : r; /* qr: the first quantized row */
             float out[2 * ROWS];
             if (l->w) {
                 for (int j = 0; j < rm; j++)
                     for (int i = 0; i < rows; i++)
                         out[j * ROWS + i] = fdot(x + (size_t)(r + j) * l->k, l->w + (size_t)(n0 + i) * l->k, l->k);
             } else {
-                const int8_t *xs[2] = {xq + (size_t)r * l->k, xq + (size_t)(r + rm - 1) * l->k};
-                const float *ss[2] = {sa + (size_t)r * st, sa + (size_t)(r + rm - 1) * st};
-                const float *cc[2] = {c + (size_t)r * st, c + (size_t)(r + rm - 1) * st};
-                if (l->mins)
+                const int8_t *xs[2] = {xq + (size_t)qr * l->k, xq + (size_t)(qr + rm - 1) * l->k};
+                const float *ss[2] = {sa + (size_t)qr * st, sa + (size_t)(qr + rm - 1) * st};
+                const float *cc[2] = {c + (size_t)qr * st, c + (size_t)(qr + rm - 1) * st};
+                if (l->mins || l->s32)
                     qdot_rows_affine(l, rm, n0, xs, ss, cc, out);
                 else
                     qdot_rows(l, rm, n0, xs, ss, cc, out);
+                if (p2) { /* the planes' dot products add up to row r's */
+                    for (int i = 0; i < rows; i++) out[i] += out[ROWS + i];
+                    rm = 1;
+                }
             }
             for (int j = 0; j < rm; j++)
                 for (int i = 0; i < rows; i++)
@@ -493,8 +590,8 @@ static void linear_rows(const kv_linear *l, int m, const float *x, float *y, int
 /* y = x W^T for m rows, on `threads` threads: the entry point the tests and benchmarks call */
 int kv_linear_forward(const kv_linear *l, int m, const float *x, float *y, int threads) {
     int st = sub_stride(l->k);
-    int8_t *xq = malloc((size_t)m * l->k);
-    float *sa = malloc(sizeof(float) * (size_t)m * st), *c = malloc(sizeof(float) * (size_t)m * st);
+    int8_t *xq = malloc((size_t)2 * m * l->k);
+    float *sa = malloc(sizeof(float) * 2 * (size_t)m * st), *c = malloc(sizeof(float) * 2 * (size_t)m * st);
     if (!xq || !sa || !c) return -1;
 #pragma omp parallel num_threads(threads)
     linear_rows(l, m, x, y, xq, sa, c, 0, NULL, NULL);
@@ -540,7 +637,7 @@ typedef struct {
 #define MOD(f) KV_FIELD(kv_model, f)
 static const kv_layout_entry kv_layout_table[] = {
     KV_STRUCT(kv_linear), LIN(n), LIN(k), LIN(bits), LIN(sym), LIN(zsym), LIN(q), LIN(s), LIN(z), LIN(mins), LIN(w),
-    LIN(bias),
+    LIN(bias), LIN(planes), LIN(s32), LIN(mins32),
     KV_STRUCT(kv_layer), LAY(attn_norm), LAY(mlp_norm), LAY(q_norm), LAY(k_norm), LAY(post_attn_norm),
     LAY(post_mlp_norm), LAY(qkv), LAY(o), LAY(up), LAY(down), LAY(window), LAY(k_cache), LAY(v_cache), LAY(k_scale),
     LAY(v_scale), LAY(k_inv), LAY(v_inv),
@@ -770,8 +867,9 @@ static void scratch_layout(const kv_model *m, int B, int L, int threads, size_t 
     size_t up_n = (size_t)m->inter * (m->glu ? 2 : 1), a_n = max3((size_t)m->hq * m->d, m->inter, 0);
     size_t bytes[S_END] = {sizeof(float) * copies * M * H, sizeof(float) * copies * M * H,
                            sizeof(float) * M * (qkv_n > up_n ? qkv_n : up_n), sizeof(float) * M * H,
-                           sizeof(float) * M * a_n, copies * M * kmax, sizeof(float) * copies * M * sub_stride(kmax),
-                           sizeof(float) * copies * M * sub_stride(kmax), sizeof(float) * threads * QB * m->max_seq,
+                           sizeof(float) * M * a_n, 2 * copies * M * kmax,
+                           sizeof(float) * 2 * copies * M * sub_stride(kmax),
+                           sizeof(float) * 2 * copies * M * sub_stride(kmax), /* two planes a row (int16) */ sizeof(float) * threads * QB * m->max_seq,
                            /* an int8 cache's dequantized K and V rows, per thread */
                            m->layers[0].k_scale ? sizeof(float) * threads * 2 * m->max_seq * m->d : 0};
     at[0] = 0;
@@ -807,8 +905,8 @@ void kv_forward(const kv_model *m, int B, int L, const int64_t *ids, const int64
         float *sc = scores + (size_t)tid * QB * m->max_seq;
         kv_deq dq = {-1, 0, 0, 0, deq + (size_t)tid * 2 * m->max_seq * d, deq + ((size_t)tid * 2 + 1) * m->max_seq * d};
         float *xs = x + (size_t)me * M * H, *hs = h + (size_t)me * M * H; /* this thread's (or the shared) */
-        int8_t *qs8 = xq + (size_t)me * M * kmax;
-        float *sas = sa + (size_t)me * M * sub_stride(kmax), *cs = c + (size_t)me * M * sub_stride(kmax);
+        int8_t *qs8 = xq + (size_t)2 * me * M * kmax;
+        float *sas = sa + (size_t)2 * me * M * sub_stride(kmax), *cs = c + (size_t)2 * me * M * sub_stride(kmax);
         span(rep, M, &r0, &r1);
         for (int r = r0; r < r1; r++)
             for (int i = 0; i < H; i++) xs[(size_t)r * H + i] = m->embed[(size_t)ids[r] * H + i] * m->embed_scale;
