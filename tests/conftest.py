@@ -23,10 +23,13 @@ _BASE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_atte
 ARCH_CASES: dict[str, tuple[str, dict]] = {
     "llama-mha": ("llama", dict(num_key_value_heads=8)),
     "llama-gqa2-bias": ("llama", dict(num_key_value_heads=4, attention_bias=True, mlp_bias=True)),
+    # head_dim 8 has 4 frequencies; theta 100 puts their wavelengths (6.3, 19.9, 63, 199) on every branch of
+    # llama3 scaling with original length 32: kept (< 32 / 4), interpolated (8 .. 32), divided (> 32).
+    # (theta 5e5 gives 6.3, 167, ...: nothing in the band, so the interpolation would go untested.)
     "llama-gqa4-llama3rope": ("llama", dict(rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
                                                               high_freq_factor=4.0,
                                                               original_max_position_embeddings=32),
-                                            rope_theta=500000.0)),
+                                            rope_theta=100.0)),
     "llama-mqa-linearrope": ("llama", dict(num_key_value_heads=1,
                                            rope_scaling=dict(rope_type="linear", factor=2.0))),
     "mistral-window": ("mistral", dict(sliding_window=8)),

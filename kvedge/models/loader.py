@@ -143,7 +143,7 @@ def _weight_files(model_dir: Path) -> list[Path]:
             f"{model_dir}: only pickled .bin weights found, and kvedge does not unpickle by default "
             f"(a pickle can run code). Convert once with transformers: "
             f"AutoModelForCausalLM.from_pretrained(dir).save_pretrained(dir, safe_serialization=True), "
-            f"or pass allow_bin=True (CLI: --allow-bin) to read it with torch.load(weights_only=True)"
+            f"or pass allow_bin=True (Python API) to read it with torch.load(weights_only=True)"
         )
     raise CheckpointError(f"{model_dir}: no *.safetensors weights found")
 
@@ -177,7 +177,7 @@ class _Checkpoint:
         if allow_bin and bins and not sorted(model_dir.glob("*.safetensors")):
             self._bin = {}
             for f in bins:
-                self._bin.update(torch.load(f, map_location="cpu", weights_only=True))
+                self._bin.update(_load_bin(f))
             self.shapes = {n: tuple(t.shape) for n, t in self._bin.items()}
             self.dtypes = {n: _ST_NAMES.get(t.dtype, str(t.dtype)) for n, t in self._bin.items()}
             return
@@ -199,6 +199,26 @@ class _Checkpoint:
                 for n in group:
                     out[n] = sf.get_tensor(n)
         return out
+
+
+def _load_bin(f: Path) -> dict[str, torch.Tensor]:
+    """A pickled state dict, read with weights_only=True: torch refuses to build any object but tensors and
+    plain containers (a pickle can run code), and anything but {name: tensor} is refused here too."""
+    try:
+        state = torch.load(f, map_location="cpu", weights_only=True)
+    except Exception as e:  # torch: UnpicklingError for a refused object, RuntimeError for a corrupt file
+        msg = str(e)
+        _, found, rest = msg.partition("WeightsUnpickler error:")  # torch's reason, after advice that fits not here
+        reason = (rest if found else msg).strip().split("\n")[0].split(". Please")[0] or type(e).__name__
+        raise CheckpointError(f"{f}: not a weights-only state dict, torch.load(weights_only=True) refused it "
+                              f"({reason}); save the weights as safetensors where the pickle is trusted") from None
+    bad = None if isinstance(state, dict) else f"a {type(state).__name__}"
+    if bad is None:
+        bad = next((f"{k!r}: a {type(v).__name__}" for k, v in state.items()
+                    if not (isinstance(k, str) and isinstance(v, torch.Tensor))), None)
+    if bad is not None:
+        raise CheckpointError(f"{f}: expected a state dict {{name: tensor}}, found {bad}")
+    return state
 
 
 _ST_NAMES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64"}

@@ -1,7 +1,7 @@
 """The torch backend: the reference Decoder over a preallocated KVCache, on CPU or CUDA.
 
 On CUDA with triton installed, attention runs through kvedge's fused Triton kernels
-(torch.ops.kvedge.triton_attention); fused_attention=False keeps the reference op.
+(torch.ops.kvedge.triton_attention); fused_attention=False (kvedge.load's too) keeps the reference op.
 kv_dtype="int8": the reference int8 cache (kvedge.models.attention), with kv_scales (per-layer k, v scales)
 or scales calibrated on the built-in text as `kvedge export --kv-dtype int8` does; always the reference op."""
 
@@ -13,6 +13,21 @@ import torch
 
 from kvedge.errors import KvedgeError
 from kvedge.models import KVCache, is_checkpoint, load_decoder
+from kvedge.models.attention import attention
+
+
+def attention_op_for(device: torch.device, fused_attention: bool, kv_dtype: str | None):
+    """The Decoder's attention op: the Triton kernels on CUDA when triton is installed, fused_attention holds
+    and the cache is the model's dtype; else the reference op (kvedge.models.attention), which a parity
+    reference must run (fused_attention=False) so that another backend is not compared with the kernels."""
+    if device.type == "cuda" and fused_attention and kv_dtype is None:
+        try:
+            from kvedge.kernels.op import attention_op
+        except ImportError:  # triton missing: the reference op still runs on CUDA
+            pass
+        else:
+            return attention_op
+    return attention
 
 
 class TorchBackend:
@@ -47,14 +62,8 @@ class TorchBackend:
             raise KvedgeError(f"kv_dtype {kv_dtype!r}: the torch backend's cache is the model's dtype or int8")
         self.cache = KVCache.allocate(self.cfg, max_batch, max_seq_len, dtype=cache_dtype, device=self.device,
                                       scales=kv_scales)
-        self.fused = False
-        if self.device.type == "cuda" and fused_attention and kv_dtype is None:
-            try:
-                from kvedge.kernels.op import attention_op
-            except ImportError:  # triton missing: the reference op still runs on CUDA
-                pass
-            else:
-                self.model.attention_op, self.fused = attention_op, True
+        self.model.attention_op = attention_op_for(self.device, fused_attention, kv_dtype)
+        self.fused = self.model.attention_op is not attention
 
     @torch.inference_mode()
     def forward(self, input_ids, position_ids, logits_index):
@@ -75,4 +84,4 @@ class TorchBackend:
 def open_backend(path: Path, o, export: Path | None = None) -> TorchBackend:
     """The runtime's entry point (kvedge.runtime.backends): the reference Decoder on a checkpoint."""
     return TorchBackend(path, max_batch=o.max_batch or 4, max_seq_len=o.max_seq_len, dtype=o.dtype, device=o.device,
-                        threads=o.threads, kv_dtype=o.kv_dtype)
+                        threads=o.threads, kv_dtype=o.kv_dtype, fused_attention=o.fused_attention)

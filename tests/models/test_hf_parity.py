@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -52,6 +54,27 @@ def test_greedy_decode_through_cache_matches_transformers(case, hf_checkpoint):
     ref = hf(full).logits[:, PROMPT - 1:PROMPT - 1 + STEPS]
     assert (step_logits - ref).abs().max().item() < TOL
     assert torch.equal(ref.argmax(-1), tokens), "transformers' greedy choice differs from kvedge's"
+
+
+def test_the_llama3_case_interpolates_a_frequency(hf_checkpoint):
+    """llama3 scaling keeps short wavelengths, divides long ones by `factor` and interpolates those between
+    original / high_freq_factor and original / low_freq_factor. The parity tests above prove that branch only if
+    the case has a frequency in the band: checked here from the formula, not from kvedge."""
+    path, hf = hf_checkpoint("llama-gqa4-llama3rope")
+    case = ARCH_CASES["llama-gqa4-llama3rope"][1]
+    s, theta, d = case["rope_scaling"], case["rope_theta"], hf.config.head_dim
+    old, lo, hi = s["original_max_position_embeddings"], s["low_freq_factor"], s["high_freq_factor"]
+    freqs = [theta ** (-i / d) for i in range(0, d, 2)]
+    wavelens = [2 * math.pi / f for f in freqs]
+    band = [i for i, w in enumerate(wavelens) if old / hi < w < old / lo]
+    assert band, f"no wavelength of {wavelens} is in ({old / hi}, {old / lo}): nothing is interpolated"
+    model = load_decoder(path)
+    for i in band:
+        smooth = (old / wavelens[i] - lo) / (hi - lo)
+        interpolated = (1 - smooth) * freqs[i] / s["factor"] + smooth * freqs[i]
+        assert freqs[i] / s["factor"] < interpolated < freqs[i]
+        assert model.inv_freq[i].item() == pytest.approx(interpolated, rel=1e-6)
+    torch.testing.assert_close(model.inv_freq, hf.model.rotary_emb.inv_freq, rtol=1e-6, atol=0)
 
 
 @pytest.mark.parametrize("case", ["llama-gqa4-llama3rope", "gemma2", "gpt2"])

@@ -105,15 +105,53 @@ def test_dtype_mismatch(ckpt):
         load_decoder(ckpt)
 
 
-def test_bin_only_checkpoint_is_refused_with_conversion_hint(ckpt):
+def logits(model, ids):
+    n = ids.shape[1]
+    return model(ids, torch.arange(n)[None], KVCache.allocate(model.cfg, 1, n).for_batch(1))
+
+
+def test_bin_only_checkpoint_is_refused_unless_asked_then_gives_the_same_logits(ckpt, hf_checkpoint):
+    ids = torch.arange(3, 15)[None]
+    from_safetensors = logits(load_decoder(ckpt), ids)
     state = load_file(ckpt / "model.safetensors")
     (ckpt / "model.safetensors").unlink()
     torch.save(state, ckpt / "pytorch_model.bin")
     with pytest.raises(CheckpointError, match=r"only pickled \.bin weights.*safe_serialization=True.*allow_bin=True"):
         load_decoder(ckpt)
-    # When asked, it is read with weights_only=True and gives the same model.
-    model = load_decoder(ckpt, allow_bin=True)
-    assert model.cfg.num_kv_heads == 4
+    # When asked, it is read with weights_only=True and gives the same model: the safetensors load's logits
+    # exactly, and transformers' (the model these weights came from) within float error.
+    got = logits(load_decoder(ckpt, allow_bin=True), ids)
+    assert torch.equal(got, from_safetensors)
+    assert (got - hf_checkpoint("llama-gqa2-bias")[1](ids).logits).abs().max().item() < 1e-4
+
+
+UNPICKLED: list[bool] = []
+
+
+def _record_unpickling():
+    UNPICKLED.append(True)
+    return torch.ones(64)  # what a malicious pickle could hand back after running its code
+
+
+class _RunsCodeWhenUnpickled:
+    def __reduce__(self):
+        return _record_unpickling, ()
+
+
+def test_bin_holding_anything_but_tensors_is_refused_and_nothing_in_it_runs(ckpt):
+    state = load_file(ckpt / "model.safetensors")
+    (ckpt / "model.safetensors").unlink()
+    state["model.norm.weight"] = _RunsCodeWhenUnpickled()
+    torch.save(state, ckpt / "pytorch_model.bin")
+    with pytest.raises(CheckpointError, match=r"pytorch_model\.bin: not a weights-only state dict, "
+                                              r"torch\.load\(weights_only=True\) refused it \(Unsupported global"):
+        load_decoder(ckpt, allow_bin=True)
+    assert not UNPICKLED, "the pickle's code ran"
+    state["model.norm.weight"] = 3  # plain values pass weights_only=True; a state dict holds tensors
+    torch.save(state, ckpt / "pytorch_model.bin")
+    with pytest.raises(CheckpointError, match=r"expected a state dict \{name: tensor\}, found 'model\.norm\.weight': "
+                                              r"a int"):
+        load_decoder(ckpt, allow_bin=True)
 
 
 def test_corrupt_safetensors(ckpt):

@@ -48,3 +48,38 @@ def test_export_backends_refuse_a_checkpoint_and_a_cache_dtype(name, hf_checkpoi
         BACKENDS[name].open(ckpt)
     with pytest.raises(KvedgeError, match="an export's cache dtype is fixed when it is exported"):
         BACKENDS[name].open(ckpt, LoadOptions(kv_dtype="int8"))
+
+
+def test_fused_attention_false_keeps_the_reference_attention_op(hf_checkpoint, monkeypatch):
+    """On CUDA the torch backend runs the Triton kernels unless fused_attention=False, which a parity reference
+    needs (tests/tensorrt/test_trt_engine.py): else TensorRT would be compared with the kernels. Checked on CPU:
+    the choice with a stand-in for the kernels' module, and the option followed from kvedge.load to it."""
+    import sys
+    import types
+
+    import torch
+
+    from kvedge.models.attention import attention
+    from kvedge.runtime import torch_backend
+
+    kernels = types.ModuleType("kvedge.kernels.op")  # stands in for the Triton op, which needs triton and CUDA
+    kernels.attention_op = lambda *args, **kwargs: None
+    monkeypatch.setitem(sys.modules, "kvedge.kernels.op", kernels)
+    cuda = torch.device("cuda")
+    assert torch_backend.attention_op_for(cuda, True, None) is kernels.attention_op
+    assert torch_backend.attention_op_for(cuda, False, None) is attention
+    assert torch_backend.attention_op_for(cuda, True, "int8") is attention  # the int8 cache: the reference only
+    assert torch_backend.attention_op_for(torch.device("cpu"), True, None) is attention
+
+    asked = []
+
+    def choose(device, fused_attention, kv_dtype):
+        asked.append(fused_attention)
+        return attention
+
+    monkeypatch.setattr(torch_backend, "attention_op_for", choose)
+    ckpt, _ = hf_checkpoint("llama-gqa4-llama3rope")
+    for fused in (False, True):
+        backend = load(ckpt, "torch", device="cpu", max_batch=1, max_seq_len=16, fused_attention=fused).backend
+        assert backend.model.attention_op is attention and not backend.fused
+    assert asked == [False, True]

@@ -20,12 +20,15 @@ def demo(demo_export):
     return demo_export(256, 2)
 
 
-def test_cache_buffers_stay_put_and_per_step_allocations_do_not_grow(demo):
+def test_decode_steps_reuse_the_cache_and_logits_buffers(demo):
+    """The proof is the addresses: ONNX Runtime writes every step into the caches and logits allocated at load.
+    tracemalloc sees Python objects only, not ONNX Runtime's or torch's native allocations; RSS cannot stand
+    in for them (freed pages stay resident and absorb a leak), so no test here claims native memory is flat."""
     session = load(demo[1])
     backend = session.backend
-    addresses = [t.data_ptr() for t in backend.cache_tensors()]
+    addresses = [t.data_ptr() for t in backend.cache_tensors()] + [backend.logits.data_ptr()]
     session.prefill([[0, 5, 6, 7]])
-    bound = [v.data_ptr() for v in backend.binding.get_outputs()[:-1]]  # bound before the logits
+    bound = [v.data_ptr() for v in backend.binding.get_outputs()]  # the caches' present outputs, then logits
     assert bound == addresses  # present outputs are the cache buffers themselves
     tok = torch.tensor([9])
     for _ in range(20):  # warm up
@@ -35,11 +38,12 @@ def test_cache_buffers_stay_put_and_per_step_allocations_do_not_grow(demo):
         session.decode(tok)
     after_40, _ = tracemalloc.get_traced_memory()
     for _ in range(140):
-        session.decode(tok)
+        logits = session.decode(tok)
     after_180, _ = tracemalloc.get_traced_memory()
     tracemalloc.stop()
-    assert [t.data_ptr() for t in backend.cache_tensors()] == addresses  # 200 decode steps later
-    assert [v.data_ptr() for v in backend.binding.get_outputs()[:-1]] == addresses
+    assert logits.data_ptr() == backend.logits.data_ptr()  # a view of the preallocated logits, not a copy
+    assert [t.data_ptr() for t in backend.cache_tensors()] + [backend.logits.data_ptr()] == addresses
+    assert [v.data_ptr() for v in backend.binding.get_outputs()] == addresses  # 200 decode steps later
     assert after_180 - after_40 < 16 * 1024, "Python-side memory grows with decode steps"
     assert int(session.lengths[0]) == 4 + 200
 
@@ -65,6 +69,33 @@ def test_bad_inputs_raise_and_the_session_stays_usable(demo):
         with pytest.raises(KvedgeError, match=msg):
             call()
         assert fresh_tokens(session) == good, msg
+
+
+def test_after_a_refused_call_decoding_goes_on_as_if_it_never_happened(demo):
+    """Refused calls between decode steps change neither lengths nor caches: step by step, the logits equal those
+    of a session that never saw an error (generate() alone would not show it: its prefill resets everything)."""
+    clean, session = load(demo[1]), load(demo[1])
+    prompts = [[0, 40, 41, 42, 43, 44], [0, 50, 51]]  # ragged: the rows are at different positions
+    refused = [
+        (lambda: session.decode([1]), r"decode got 1 tokens for a batch of 2"),
+        (lambda: session.decode([1, 999]), r"outside the vocabulary"),
+        (lambda: session.decode([-1, 1]), r"outside the vocabulary"),
+        (lambda: session.prefill([[0, 300]]), r"token id 300"),
+        (lambda: session.prefill([[0] * 257]), r"257 prompt tokens \+ 0 to generate exceed"),
+        (lambda: session.prefill([[1], [2], [3]]), r"batch 3 exceeds"),
+        (lambda: session.prefill([[5], []]), r"row 1 of the input is empty"),
+        (lambda: session.generate([[0] * 250], max_new_tokens=10), r"250 prompt tokens \+ 10 to generate exceed"),
+        (lambda: session.generate("hi", max_new_tokens=0), r"max_new_tokens must be >= 1"),
+    ]
+    want = clean.prefill(prompts)
+    assert torch.equal(session.prefill(prompts), want)
+    for call, msg in refused:
+        with pytest.raises(KvedgeError, match=msg):
+            call()
+        assert torch.equal(session.lengths, clean.lengths) and session.batch == clean.batch, msg
+        nxt = want.argmax(-1)  # the clean session's greedy tokens, fed to both
+        want = clean.decode(nxt)
+        assert torch.equal(session.decode(nxt), want), msg
 
 
 def test_truncation_only_when_asked(demo):
