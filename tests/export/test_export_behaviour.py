@@ -56,6 +56,36 @@ def test_failed_verification_leaves_no_sidecar(tmp_path, hf_checkpoint):
     assert not (tmp_path / "out" / SIDECAR).exists()
 
 
+@pytest.mark.parametrize("lowering,scheme", [("ort", "int4"), ("onnx", "int8")])
+def test_verification_fails_on_a_quantized_graph_with_one_weight_changed(lowering, scheme, tmp_path, hf_checkpoint,
+                                                                         monkeypatch):
+    """The quantized export tests rely on verify()'s verdict: here it fails. Once the graph is saved and checked, one
+    stored byte of the first quantized weight (MatMulNBits' B, or DequantizeLinear's x) is changed in the saved file
+    (onnx load, edit, save); the export's verification must then refuse it against the quantized PyTorch model."""
+    from onnx import numpy_helper
+
+    check_onnx = exporter_module.check_onnx
+
+    def check_then_perturb(path):
+        check_onnx(path)
+        model = onnx.load(str(path))
+        node = next(n for n in model.graph.node if n.op_type in ("MatMulNBits", "DequantizeLinear"))
+        name = node.input[1] if node.op_type == "MatMulNBits" else node.input[0]
+        init = next(t for t in model.graph.initializer if t.name == name)
+        w = numpy_helper.to_array(init).copy()
+        assert w.dtype == "uint8", w.dtype
+        w.flat[0] ^= 0x88  # a packed int4 byte: both weights move by 8 steps; an int8 weight by 120 or 136
+        init.CopyFrom(numpy_helper.from_array(w, name))
+        onnx.save(model, str(path))
+
+    monkeypatch.setattr(exporter_module, "check_onnx", check_then_perturb)
+    path, _ = hf_checkpoint("llama-gqa4-llama3rope")
+    with pytest.raises(KvedgeError, match=r"verification failed: max abs logit error .* > 0.001 x .*; no kvedge\.json"):
+        export(path, tmp_path / "out", ExportOptions(attention=lowering, quantize=scheme, max_seq_len=32,
+                                                     verify_steps=4, calibration_tokens=64, allow_degraded=True))
+    assert not (tmp_path / "out" / SIDECAR).exists()
+
+
 def test_interrupted_export_leaves_no_sidecar_and_a_rerun_replaces_the_old_one(tmp_path, hf_checkpoint):
     path, _ = hf_checkpoint("llama-mha")
     out = tmp_path / "out"

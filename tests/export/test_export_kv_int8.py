@@ -4,7 +4,9 @@ over int8 caches bound in place, and the refusals."""
 from __future__ import annotations
 
 import json
+import types
 
+import onnx
 import pytest
 import torch
 
@@ -37,7 +39,8 @@ def test_int8_cache_export_matches_the_int8_reference_and_stays_close_to_the_flo
 
     model = load_decoder(ckpt)
     rows, _ = calibration_rows(ckpt, model.cfg, None, 2048)
-    scales = calibrate_kv_scales(model, rows)  # what export calibrated: the same text, the same model
+    # what export calibrated: the same text, the same model (the rule itself: the two tests below, independently)
+    scales = calibrate_kv_scales(model, rows)
     backend = OrtBackend(out)
     assert all(t.dtype == torch.int8 for t in backend.cache_tensors())
     cache = KVCache.allocate(model.cfg, 1, MAX_SEQ, dtype=torch.int8, scales=scales)
@@ -58,6 +61,55 @@ def test_int8_cache_export_matches_the_int8_reference_and_stays_close_to_the_flo
     reference_caches = [t for kv in zip(cache.keys, cache.values) for t in kv]
     assert all(torch.equal(a[:1], b) for a, b in zip(backend.cache_tensors(), reference_caches))  # same bytes
     assert fp_agree / (STEPS + 1) >= 0.9  # measured 17 / 17 (verification's random prompt: 100%; text: 99%)
+
+
+def test_calibration_takes_max_abs_per_layer_kv_head_and_channel_times_the_margin_over_127():
+    """The rule of docs/quantization.md, on a cache built by hand: per layer, KV head and channel, the largest |k|
+    and |v| over every row and position, times the margin 1.5, / 127; a channel never written gets 1e-8."""
+    cfg = types.SimpleNamespace(num_layers=2, num_kv_heads=2, head_dim=3)
+    planted = {  # (row, layer, side, head, position, channel) -> value written into the cache
+        (0, 0, "k", 0, 1, 0): 2.54, (1, 0, "k", 0, 2, 0): -1.27,  # the larger |k| is in the first row
+        (1, 0, "k", 1, 0, 2): -6.35,  # a negative one
+        (0, 1, "v", 1, 2, 1): 12.7, (1, 1, "v", 1, 1, 1): 25.4}
+
+    class Writer(torch.nn.Module):  # writes the planted values of the row it is given (row r starts with token r)
+        def __init__(self):
+            super().__init__()
+            self.cfg, self.w = cfg, torch.nn.Parameter(torch.zeros(1))
+
+        def forward(self, ids, positions, cache, logit_index):
+            for (r, layer, side, h, t, d), x in planted.items():
+                if r == int(ids[0, 0]):
+                    cache[layer][0 if side == "k" else 1][0, h, t, d] = x
+
+    k, v = calibrate_kv_scales(Writer(), torch.tensor([[0, 5, 6], [1, 7, 8]]))
+    tiny = 1e-8
+    want_k0 = torch.tensor([[2.54 * 1.5 / 127, tiny, tiny], [tiny, tiny, 6.35 * 1.5 / 127]])
+    want_v1 = torch.tensor([[tiny, tiny, tiny], [tiny, 25.4 * 1.5 / 127, tiny]])
+    assert [t.shape for t in k + v] == [(1, 2, 1, 3)] * 4 and all(t.dtype == torch.float32 for t in k + v)
+    torch.testing.assert_close(k[0][0, :, 0], want_k0)
+    torch.testing.assert_close(v[1][0, :, 0], want_v1)
+    torch.testing.assert_close(k[1], torch.full((1, 2, 1, 3), tiny))
+    torch.testing.assert_close(v[0], torch.full((1, 2, 1, 3), tiny))
+    k, _ = calibrate_kv_scales(Writer(), torch.tensor([[0, 5, 6], [1, 7, 8]]), margin=1.0)
+    torch.testing.assert_close(k[0][0, 1, 0, 2], torch.tensor(6.35 / 127))
+
+
+def test_the_exported_scales_follow_the_rule_on_transformers_own_cache(int8_export, hf_checkpoint):
+    """The export's k_scale_i / v_scale_i initializers against the rule applied to transformers' cache (k after RoPE)
+    over the calibration rows: no kvedge model in the reference."""
+    out, sidecar = int8_export
+    ckpt, hf = hf_checkpoint(CASE)
+    rows, _ = calibration_rows(ckpt, sidecar.model, None, 2048)  # the text export calibrates on, as token rows
+    with torch.inference_mode():
+        caches = [hf(row[None], use_cache=True).past_key_values.layers for row in rows]
+    graph = onnx.load(str(out / "model.onnx")).graph
+    inits = {t.name: torch.tensor(onnx.numpy_helper.to_array(t)) for t in graph.initializer if "_scale_" in t.name}
+    for i in range(sidecar.model.num_layers):
+        for side, name in (("keys", "k"), ("values", "v")):
+            absmax = torch.stack([getattr(c[i], side)[0].abs().amax(1) for c in caches]).amax(0)  # [Hkv, D]
+            got = inits[f"{name}_scale_{i}"]
+            torch.testing.assert_close(got.reshape(absmax.shape), absmax * 1.5 / 127, rtol=1e-4, atol=0)
 
 
 def test_torch_backend_runs_the_int8_reference(int8_export, hf_checkpoint):

@@ -29,6 +29,13 @@ def supported(case: str, lowering: str) -> bool:
 
 
 PAIRS = [pytest.param(c, low, id=f"{c}-{low}") for c in ARCH_CASES for low in ORT_LOWERINGS]
+# The pairs whose lowering cannot express the architecture, written out here: which cases run parity is not left to
+# the code under test, where a new refusal would silently turn a parity case into a pass.
+REFUSED = {("onnx", "gemma2")}  # attention logit softcapping (the ONNX Attention softcap/mask order is ambiguous)
+
+
+def test_the_lowerings_refuse_exactly_the_expected_pairs():
+    assert {(low, c) for c in ARCH_CASES for low in ORT_LOWERINGS if not supported(c, low)} == REFUSED
 
 
 def run_both(model, backend, prompts: list[torch.Tensor], steps: int):
@@ -54,7 +61,7 @@ def run_both(model, backend, prompts: list[torch.Tensor], steps: int):
 
 @pytest.mark.parametrize("case,lowering", PAIRS)
 def test_onnxruntime_matches_pytorch(case, lowering, exported, hf_checkpoint):
-    if not supported(case, lowering):
+    if (lowering, case) in REFUSED:
         path, _ = hf_checkpoint(case)
         with pytest.raises(KvedgeError, match=f"the '{lowering}' lowering cannot express"):
             export(path, path.parent / f"refused-{lowering}", ExportOptions(attention=lowering))

@@ -19,7 +19,10 @@ VERSIONS = ["8.6", "10.3", "10.15", "11.0"]
     ("onnx", {"8.6": False, "10.3": False, "10.15": True, "11.0": True}),
     ("ort", {"8.6": False, "10.3": False, "10.15": False, "11.0": False}),
 ])
-def test_check_verdicts_per_lowering_and_version(lowering, verdicts, exported):
+def test_check_verdicts_follow_kvedges_table_per_lowering_and_version(lowering, verdicts, exported):
+    """These verdicts are what kvedge's own support table (kvedge.tensorrt.check) says of real exports: they prove
+    that check reads the graphs against that table, not that TensorRT builds them (no TensorRT here). Each row of
+    the table is tied to its source in test_every_row_of_kvedges_support_table_has_its_source."""
     out, _ = exported("llama-gqa4-llama3rope", lowering)
     for version, ok in verdicts.items():
         rep = check(out / "model.onnx", version)
@@ -37,6 +40,68 @@ def test_check_verdicts_per_lowering_and_version(lowering, verdicts, exported):
     if lowering == "decomposed":
         notes = check(out / "model.onnx", "8.6").findings
         assert notes and all(not f.blocking for f in notes)  # int64 cast-down note only
+
+
+# kvedge's TensorRT support table (kvedge.tensorrt.check), row by row, with where each row was read: a release of
+# onnx/onnx-tensorrt or NVIDIA/TensorRT (a quote where the row was checked against that file). A row changed, added
+# or dropped in kvedge without its source changed here fails test_every_row_of_kvedges_support_table_has_its_source.
+OPS_MD, CHANGES = "onnx/onnx-tensorrt docs/operators.md", "onnx/onnx-tensorrt docs/Changelog.md"
+NVINFER = "NVIDIA/TensorRT include/NvInfer.h IDequantizeLayer"
+NINE = f"; {OPS_MD} @ 9.0-GA lists it already, but kvedge's table has no 9.x row: 9.x is read as 8.6"
+TABLE_SOURCES = {
+    ("MAX_OPSET", (8, 6)): (17, f"{OPS_MD} @ 8.6-GA: 'TensorRT 8.6 supports operators up to Opset 17'"),
+    ("MAX_OPSET", (10, 0)): (20, f"{OPS_MD} @ 10.0-GA: 'in the inclusive range of opset 9 to opset 20'"),
+    ("MAX_OPSET", (10, 9)): (22, f"{OPS_MD} @ 10.9-GA"),
+    ("MAX_OPSET", (10, 13)): (24, f"{OPS_MD} @ 10.13-GA (@ 10.15-GA: 'in the inclusive range of opset 9 to opset 24')"),
+    ("MAX_OPSET", (11, 0)): (24, f"{OPS_MD} @ 11.0"),
+    ("LATER_OPS", "Gelu"): ((10, 0), f"{OPS_MD} @ 10.0-GA: 'Gelu | Y' (no Gelu row @ 8.6-GA)"),
+    ("LATER_OPS", "Attention"): ((10, 14), f"{CHANGES} 10.14 GA: 'Added support for the `Attention` operator'"),
+    **{("LATER_OPS", op): ((10, 15), f"{CHANGES} 10.15 GA: 'Added support for `RotaryEmbedding`, "
+                                     "`RMSNormalization` and `TensorScatter`'")
+       for op in ("RotaryEmbedding", "RMSNormalization", "TensorScatter")},
+    **{("DTYPE_SINCE", dt): ((8, 6), f"{OPS_MD} @ 8.6-GA: 'TensorRT supports the following ONNX data types: "
+                                     "DOUBLE, FLOAT32, FLOAT16, INT8, and BOOL' (INT32, INT64 cast down: limited)")
+       for dt in (1, 10, 6, 7, 9, 3)},
+    ("DTYPE_SINCE", 2): ((8, 6), f"{CHANGES} 8.5 GA: 'Added support for importing ONNX networks with `UINT8` I/O "
+                                 "types'"),
+    ("DTYPE_SINCE", 16): ((10, 0), f"{OPS_MD} @ 10.0-GA data types: 'BFLOAT16'" + NINE),
+    ("DTYPE_SINCE", 17): ((10, 0), f"{OPS_MD} @ 10.0-GA data types: 'FP8'" + NINE),
+    ("DTYPE_SINCE", 22): ((10, 0), f"{CHANGES} 10.0 EA: 'Added support for `INT4` quantization'"),
+    ("QUANT_FORMS", "INT8"): (((8, 6), None, None), f"{OPS_MD} @ 8.6-GA: 'DequantizeLinear | Y | INT8'; blocked: "
+                                                    f"{NVINFER} (kINT4 only @ release/10.0-10.12, kFP4, kFP8, "
+                                                    "kINT4 @ release/10.13-11.1)"),
+    ("QUANT_FORMS", "INT4"): (((10, 0), (10, 0), (64, 128)), f"{OPS_MD} @ 10.0-GA: 'DequantizeLinear | Y | INT8, "
+                                                             f"FP8, INT4'; {NVINFER} @ release/10.0; block sizes: "
+                                                             "TensorRT docs, Quantization Schemes"),
+    ("QUANT_FORMS", "FP8"): (((10, 0), (10, 13), None), f"{OPS_MD} @ 10.0-GA: 'DequantizeLinear | Y | INT8, FP8, "
+                                                        f"INT4'" + NINE + f"; blocked: {NVINFER} @ release/10.13"),
+}
+
+
+def test_every_row_of_kvedges_support_table_has_its_source():
+    """What this proves: every row of kvedge's table is one that was read in a named release (the source is
+    recorded above, next to the value read there), and no row was changed, added or dropped without it. What it
+    cannot prove: that NVIDIA's files still say so (nothing here reads them). The per-version table of
+    docs/tensorrt.md names a source in each row too."""
+    import re
+    from pathlib import Path
+
+    from kvedge.tensorrt import check as table
+
+    rows = {("MAX_OPSET", v): n for v, n in table.MAX_OPSET.items()}
+    rows |= {("LATER_OPS", op): v for op, v in table.LATER_OPS.items()}
+    rows |= {("DTYPE_SINCE", dt): v for dt, v in table.DTYPE_SINCE.items()}
+    rows |= {("QUANT_FORMS", f["name"]): (f["since"], f["blocked_since"], f["block_sizes"])
+             for f in table.QUANT_FORMS.values()}
+    assert set(rows) == set(TABLE_SOURCES), "a row without its source, or a source without its row"
+    for row, value in rows.items():
+        assert value == TABLE_SOURCES[row][0], (row, value, TABLE_SOURCES[row])
+    assert table.BASE_OPS.isdisjoint(table.LATER_OPS)  # the 8.6 set: each 'Y' in OPS_MD @ 8.6-GA
+    doc = (Path(__file__).parents[2] / "docs" / "tensorrt.md").read_text()
+    lines = doc[doc.index("| TensorRT | what kvedge does | source |"):].splitlines()[2:]
+    cells = [line.split(" | ")[-1] for line in lines[:lines.index("")]]
+    assert len(cells) > 10 and all(re.search(r"\.(md|h|cpp|py)`", c) and re.search(r"\d+\.\d+", c)
+                                   for c in cells), cells
 
 
 def test_check_flags_bf16_before_10(exported):

@@ -9,6 +9,7 @@ import ast
 import inspect
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -161,28 +162,67 @@ def test_aot_signature_follows_the_kernel_and_the_documented_argument_order():
 
 AOT_COMPILE = """
 import json
+import triton
 from triton.backends.compiler import GPUTarget
 from kvedge.tensorrt import plugin as trt_plugin
+seen = {}
+compile_, trim = triton.compile, trt_plugin._trim_entry
+def spy_compile(*a, **kw):
+    seen["kernel"] = compile_(*a, **kw)
+    return seen["kernel"]
+def spy_trim(ptx, name, keep):
+    seen["raw"] = ptx
+    return trim(ptx, name, keep)
+triton.compile, trt_plugin._trim_entry = spy_compile, spy_trim
 name, ptx, threads, shared = trt_plugin.aot_compile(
     (None, 8, None, 80), (None, 2, 256, None), 20, "float16", "int64", "float16", 0.11, 16, 0.0,
     target=GPUTarget("cuda", 80, 32))
-print(json.dumps(dict(name=name, ptx=ptx, threads=threads, shared=shared)))
+kernel = seen["kernel"]
+scratch = [f for f in kernel.metadata._fields if f.endswith("_scratch_size")]
+print(json.dumps(dict(name=name, ptx=ptx, threads=threads, shared=shared, raw=seen["raw"], ttgir=kernel.asm["ttgir"],
+                      scratch=scratch)))
 """
 
 
-def test_aot_compile_gives_ptx_with_exactly_the_arguments_tensorrt_passes():
+def entry_params(ptx: str, name: str) -> list[tuple[str, str]]:
+    """The PTX entry's parameters as (type, name): ".param .u64 .ptr .global .align 1 x" -> (".u64 .ptr", "x")."""
+    entry = ptx[ptx.index(f".entry {name}("):]
+    params = [p.split() for p in entry[len(f".entry {name}("):entry.index(")")].split(",") if p.strip()]
+    assert all(p[0] == ".param" for p in params), params
+    return [(" ".join(t for t in p[1:-1] if t in (".u64", ".u32", ".ptr")), p[-1]) for p in params]
+
+
+def test_aot_compile_gives_ptx_with_the_arguments_tensorrt_passes_in_order():
     """Compiles for sm_80 on any machine (triton's own LLVM and ptxas), in a fresh process: under
-    TRITON_INTERPRET=1 (how CI runs the kernel tests) triton.jit functions cannot be compiled."""
+    TRITON_INTERPRET=1 (how CI runs the kernel tests) triton.jit functions cannot be compiled.
+    TensorRT launches an aot_impl kernel with the input tensors' pointers, then the extra args ("scalar inputs to
+    the kernel, located after the tensor inputs and before the tensor outputs": NVIDIA/TensorRT
+    tensorrt/plugin/_lib.py, aot_impl's docstring, from release/10.9), then the output tensors' pointers: here 8
+    pointers, the int32 L, 3 pointers. aot_compile trims the entry to that count, so the count proves nothing: the
+    types must fall in that order, the kernel's arguments must be these names in this order (triton's TTGIR keeps
+    them), and what was trimmed must be only the scratch pointers triton appends (one per `*_scratch_size` field
+    of its metadata), never read."""
     pytest.importorskip("triton", reason="triton is not installed (pip install triton)")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_DEFAULT_FP_FUSION"] = "1"
     run = subprocess.run([sys.executable, "-c", AOT_COMPILE], env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
     got = json.loads(run.stdout.splitlines()[-1])
-    name, ptx, threads = got["name"], got["ptx"], got["threads"]
-    entry = ptx[ptx.index(f".entry {name}("):]
-    params = entry[:entry.index(")")].count(".param")
-    assert params == len(trt_plugin.aot_signature("float16", "int64", "float16"))  # no scratch pointers
+    name, ptx, raw, threads = got["name"], got["ptx"], got["raw"], got["threads"]
+    pointer, i32 = ".u64 .ptr", ".u32"
+    kept = entry_params(ptx, name)
+    assert [t for t, _ in kept] == [pointer] * 8 + [i32] + [pointer] * 3
+    func = got["ttgir"][got["ttgir"].index(f"tt.func public @{name}("):]
+    args = re.findall(r"%(\w+): (!tt\.ptr<\w+>|i32)", func[:func.index("{")])
+    assert args == [("q", "!tt.ptr<f16>"), ("k", "!tt.ptr<f16>"), ("v", "!tt.ptr<f16>"), ("kc", "!tt.ptr<f16>"),
+                    ("vc", "!tt.ptr<f16>"), ("positions", "!tt.ptr<i64>"), ("cos", "!tt.ptr<f16>"),
+                    ("sin", "!tt.ptr<f16>"), ("L", "i32"), ("out", "!tt.ptr<f16>"), ("kc_out", "!tt.ptr<f16>"),
+                    ("vc_out", "!tt.ptr<f16>")]
+    full = entry_params(raw, name)
+    assert full[:len(kept)] == kept and len(full) - len(kept) == len(got["scratch"]) > 0
+    body = raw[raw.index(f".entry {name}("):]
+    assert all(f"[{p}]" in body for _, p in kept)  # every kept argument is read: the kernel's own
+    assert all(t == pointer and f"[{p}]" not in body for t, p in full[len(kept):])  # scratch, never read
     assert threads == trt_plugin.NUM_WARPS * 32 and f".reqntid {threads}" in ptx and 0 < got["shared"] <= 48 * 1024
     assert "mma.sync" in ptx  # fp16 dots on tensor cores
 
