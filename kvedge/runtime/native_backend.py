@@ -37,6 +37,7 @@ from kvedge.runtime.backend import CacheList
 SOURCE = Path(__file__).with_name("native") / "kvedge_cpu.c"
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 _ACTS = {"silu": 0, "gelu": 1, "gelu_tanh": 2}
+KERNELS = {0: "portable C", 1: "AVX2", 2: "AVX-VNNI", 3: "AVX512-VNNI"}  # kv_simd()
 ACTIVATIONS = {"int8": 1, "int16": 2}  # a quantized projection's input: int8, or int16 as two int8 planes
 
 
@@ -252,7 +253,7 @@ class NativeBackend(CacheList):
     def __init__(self, model_dir: str | Path, max_batch: int = 1, max_seq_len: int = 2048, threads: int = 0,
                  quantize: str | None = "int4", group_size: int = 32, symmetric: bool = True,
                  quantize_lm_head: bool = True, model: nn.Module | None = None, kv_dtype: str | None = None,
-                 kv_scales=None, activations: str = "int8"):
+                 kv_scales=None, activations: str = "int8", flags: tuple[str, ...] = FLAGS):
         """model_dir: a Hugging Face checkpoint (pre-quantized AWQ / GPTQ ones run as they are). quantize: None
         keeps float32 projections; int8 / int4 round to nearest per group (as `kvedge export --quantize`).
         model: an already built (and quantized) Decoder to run instead of loading model_dir.
@@ -262,8 +263,9 @@ class NativeBackend(CacheList):
         int8` does; new K/V are quantized on write and attention reads them dequantized, as the reference op.
         activations: what a quantized projection multiplies its weights with. "int8" (per 32 channels, as
         llama.cpp and ONNX Runtime's accuracy level 4 do) is the fast one; "int16" (two int8 planes) is within
-        float rounding of the torch model, for twice the multiply-adds: it decodes almost as fast (weight
-        reads dominate) and prefills slower."""
+        float rounding of the torch model, for twice the multiply-adds (slower, most of all in prefill).
+        flags: the compiler flags of the engine's build (default -march=native: this CPU's best kernels; the
+        tests also build AVX2-only and portable C, the code ARM and Jetson CPUs run)."""
         self.float_linears: list[str] = []  # GGUF linears run as float32 (_floats_for_narrow_blocks)
         if model is None:
             if not is_checkpoint(model_dir):
@@ -290,7 +292,8 @@ class NativeBackend(CacheList):
         if activations not in ACTIVATIONS:
             raise KvedgeError(f"activations {activations!r}: the native engine's are {' or '.join(ACTIVATIONS)}")
         self.activations = activations
-        self.dll = compile_engine()
+        self.dll = compile_engine(flags)
+        self.kernels = KERNELS[self.dll.kv_simd()]
         self.model = model
         self.max_batch, self.max_seq_len = max_batch, max_seq_len
         self.threads = threads or torch.get_num_threads()

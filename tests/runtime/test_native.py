@@ -27,7 +27,7 @@ from kvedge.errors import KvedgeError
 from kvedge.models import KVCache, load_decoder
 from kvedge.models.quant import QuantLinear, dequantize, lm_head_linear, pack, quantize_decoder
 from kvedge.runtime import Session, load
-from kvedge.runtime.native_backend import FLAGS, NativeBackend, _Keep, compile_engine, pack_linear
+from kvedge.runtime.native_backend import FLAGS, KERNELS, NativeBackend, _Keep, compile_engine, pack_linear
 from tests.conftest import ARCH_CASES, MAX_SEQ
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
@@ -69,7 +69,8 @@ def test_each_build_runs_the_kernels_it_is_meant_to(engine, request):
         flags = {f for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")
                  for f in ln.split(":", 1)[1].split()}
     vector = build == "avx2" or (build == "native" and {"avx2", "fma", "f16c"} <= flags)
-    assert engine.kv_simd() == int(vector)
+    vnni = 3 if {"avx512_vnni", "avx512vl"} <= flags else 2 if "avx_vnni" in flags else 1
+    assert engine.kv_simd() == (0 if not vector else vnni if build == "native" else 1)  # a build that lost VNNI fails
 
 
 def quant_linear(w, bits, group, symmetric):
@@ -185,6 +186,19 @@ def test_engine_equals_the_pytorch_decoder(case, bits, symmetric, hf_checkpoint,
     _equals_the_decoder(case, path, model, bits, monkeypatch)
 
 
+@pytest.mark.parametrize("build", list(BUILDS))
+def test_each_build_runs_the_whole_engine_as_the_pytorch_decoder(build, hf_checkpoint, monkeypatch):
+    """Not only the linears: the norms, rotary, softmax, softcaps, window and GELU of gemma2 as each build compiles
+    them (portable C is what ARM and Jetson CPUs run), at int4 and in float32."""
+    path, _ = hf_checkpoint("gemma2")
+    for bits in (4, 0):
+        model = load_decoder(path, dtype="float32")
+        if bits:
+            quantize_decoder(model, bits, 32, lm_head=True, accuracy_level=4, symmetric=True)
+        _equals_the_decoder("gemma2", path, model, bits, monkeypatch, flags=BUILDS[build])
+        monkeypatch.undo()
+
+
 @pytest.mark.parametrize("case", ["llama-gqa2-bias"])
 def test_engine_runs_affine_blocks_as_the_pytorch_decoder(case, hf_checkpoint, monkeypatch):
     """Every projection and the lm_head as GGUF Q4_1-style affine blocks (float16 d and m, groups of 32;
@@ -212,10 +226,12 @@ def test_int16_activations_are_the_pytorch_decoders_float_ones(case, hf_checkpoi
         _equals_the_decoder(case, path, model, 0, monkeypatch, activations="int8", rel=1e-3)
 
 
-def _equals_the_decoder(case, path, model, bits, monkeypatch, activations="int8", rel=None):
+def _equals_the_decoder(case, path, model, bits, monkeypatch, activations="int8", rel=None, flags=FLAGS):
     """The engine over `model` (bits 0: the reference does not round activations) against the PyTorch Decoder: a
     ragged prefill of 3 rows, then 4 decode steps; logits and caches."""
-    native = NativeBackend(path, max_batch=3, max_seq_len=MAX_SEQ, threads=2, model=model, activations=activations)
+    native = NativeBackend(path, max_batch=3, max_seq_len=MAX_SEQ, threads=2, model=model, activations=activations,
+                           flags=flags)
+    assert native.kernels == KERNELS[native.dll.kv_simd()]
     assert any(lin.mins for ly in native._layers for lin in (ly.qkv, ly.o)) == any(
         getattr(blk.qkv, "mins", None) is not None for blk in model.layers)
     cache = KVCache.allocate(model.cfg, 3, MAX_SEQ, dtype=torch.float32)
@@ -298,6 +314,19 @@ def test_bench_runs_the_native_backend_quantized_as_the_export_was(exported, hf_
     assert all(isinstance(getattr(blk, n), QuantLinear) and getattr(blk, n).bits == 4
                for blk in be.model.layers for n in ("qkv", "o", "up", "down"))
     assert isinstance(be.model.lm_head, QuantLinear) and be.m.lm_head.sym == 1 and be.m.lm_head.bits == 4
+    # the same integers and scales as the export's MatMulNBits initializers, linear by linear
+    import onnx
+    from onnx import numpy_helper
+
+    graph = onnx.load(out / "model.onnx").graph
+    inits = {t.name: numpy_helper.to_array(t) for t in graph.initializer}
+    exported_linears = {inits[n.input[1]].tobytes(): inits[n.input[2]] for n in graph.node if n.op_type == "MatMulNBits"}
+    mine = [getattr(blk, n) for blk in be.model.layers for n in ("qkv", "o", "up", "down")] + [be.model.lm_head]
+    assert len(exported_linears) == len(mine)
+    for lin in mine:
+        scales = exported_linears.get(lin.qweight.numpy().tobytes())
+        assert scales is not None, "a linear whose integers the export does not hold"
+        assert torch.equal(torch.from_numpy(scales.reshape(-1).astype("float32")), lin.scales.float().reshape(-1))
     report = tmp_path / "report"
     assert main(["bench", str(out), "--backend", "onnxruntime,native", "--prompt-lens", "8", "--gen-len", "4",
                  "--repeat", "1", "--warmup", "0", "-o", str(report), "--quiet"]) == 0

@@ -37,7 +37,17 @@
 #define KV_AVX2 0
 #endif
 
-int kv_simd(void) { return KV_AVX2; } /* which kernels this build has: 1 AVX2, 0 portable C */
+/* Which kernels this build runs: 0 portable C, 1 AVX2 (without VNNI: widening or maddubs), 2 AVX-VNNI,
+ * 3 AVX512-VNNI (dot_u8s8 picks the same way) */
+int kv_simd(void) {
+#if KV_AVX2 && defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return 3;
+#elif KV_AVX2 && defined(__AVXVNNI__)
+    return 2;
+#else
+    return KV_AVX2;
+#endif
+}
 
 #define SB 32 /* input channels per sub-block */
 /* Weights are fetched this far ahead into L2 (prefetcht1): faster than 4 KiB ahead into L1, and far faster
