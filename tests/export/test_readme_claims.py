@@ -1,5 +1,5 @@
 """What README and docs/quantization.md promise of `kvedge export`, proved on the tiny checkpoints: the top-1 quality
-gate fails an export unless --allow-degraded; --accuracy-level 4 puts int8 activations in every MatMulNBits and is
+gates (int4 weights, int8 cache) fail an export unless --allow-degraded; --accuracy-level 4 puts int8 activations in every MatMulNBits and is
 verified by cosine only; fp16 on the default ort lowering, fp16 with --quantize and --kv-dtype int8 with --quantize
 export, verify and carry the dtypes the graph contract gives them (docs/export.md)."""
 
@@ -111,3 +111,17 @@ def test_export_verifies_and_the_graph_carries_the_promised_dtypes(name, exporte
     if name == "fp16":  # independently: within fp16's parity tolerance of the transformers model
         _, cosine, max_rel = against_transformers(out, hf_checkpoint(CASE)[1])
         assert cosine >= 0.999 and max_rel <= 2e-2
+
+
+def test_the_int8_cache_gate_fails_an_export_calibrated_on_too_little_text(hf_checkpoint, tmp_path, capsys):
+    """The int8 cache's 90% top-1 gate, tripped by a real miscalibration: scales taken from a few tokens of one
+    repeated character clip the K/V values of other text. Without --allow-degraded: exit 2 with the gate's
+    message and nothing written."""
+    text = tmp_path / "calibration.txt"
+    text.write_text("a" * 8)
+    args = ["export", str(hf_checkpoint(CASE)[0]), "--kv-dtype", "int8", "--calibration-text", str(text),
+            "--max-seq-len", str(MAX_SEQ), "--verify-steps", "8", "--calibration-tokens", "128", "--quiet"]
+    assert main([*args, "-o", str(tmp_path / "gated")]) == 2
+    err = capsys.readouterr().err
+    assert "int8 top-1 agreement with a float KV cache" in err and "< 90% (pass --allow-degraded to keep it)" in err
+    assert not (tmp_path / "gated" / SIDECAR).exists()
