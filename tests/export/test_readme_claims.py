@@ -1,5 +1,5 @@
 """What README and docs/quantization.md promise of `kvedge export`, proved on the tiny checkpoints: the top-1 quality
-gates (int4 weights, int8 cache) fail an export unless --allow-degraded; --accuracy-level 4 puts int8 activations in every MatMulNBits and is
+gates (int4 and int8 weights, int8 cache) fail an export unless --allow-degraded; --accuracy-level 4 puts int8 activations in every MatMulNBits and is
 verified by cosine only; fp16 on the default ort lowering, fp16 with --quantize and --kv-dtype int8 with --quantize
 export, verify and carry the dtypes the graph contract gives them (docs/export.md)."""
 
@@ -124,4 +124,26 @@ def test_the_int8_cache_gate_fails_an_export_calibrated_on_too_little_text(hf_ch
     assert main([*args, "-o", str(tmp_path / "gated")]) == 2
     err = capsys.readouterr().err
     assert "int8 top-1 agreement with a float KV cache" in err and "< 90% (pass --allow-degraded to keep it)" in err
+    assert not (tmp_path / "gated" / SIDECAR).exists()
+
+
+def test_the_int8_weight_gate_fails_an_export_of_a_model_with_outlier_weights(tmp_path, capsys):
+    """The int8 weights' 95% top-1 gate, tripped by what breaks round-to-nearest in real models: outlier weights
+    (30x the projection's largest) on an input channel the norms switch off. The float model never sees them,
+    but they stretch their group's int8 scale until the other weights of the group round to a few steps."""
+    from tests.conftest import ARCH_CASES, save_hf_model
+
+    model_type, overrides = ARCH_CASES[CASE]
+    model = save_hf_model(tmp_path / "ckpt", model_type, **overrides)
+    for layer in model.model.layers:
+        layer.input_layernorm.weight[0] = layer.post_attention_layernorm.weight[0] = 0  # channel 0: dead
+        attn, mlp = layer.self_attn, layer.mlp
+        for proj in (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj):  # they read channel 0
+            proj.weight[:, 0] = 30 * proj.weight.abs().max()
+    model.save_pretrained(tmp_path / "ckpt")
+    args = ["export", str(tmp_path / "ckpt"), "--quantize", "int8", "--max-seq-len", str(MAX_SEQ), "--verify-steps",
+            "8", "--calibration-tokens", "128", "--quiet"]
+    assert main([*args, "-o", str(tmp_path / "gated")]) == 2
+    err = capsys.readouterr().err
+    assert "int8 top-1 agreement with the unquantized model" in err and "< 95% (pass --allow-degraded" in err
     assert not (tmp_path / "gated" / SIDECAR).exists()
