@@ -14,7 +14,8 @@ from typing import Any
 
 from kvedge.errors import ConfigError
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3", "gpt2")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "gpt2",
+                           "granite", "olmo2", "smollm3")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 _ACTIVATIONS = {
@@ -43,10 +44,12 @@ class ModelConfig:
     norm_eps: float = 1e-6
     norm_unit_offset: bool = False  # gemma: RMSNorm scales by (1 + weight)
     post_norms: bool = False  # gemma2: norms after attention and after the MLP as well
+    pre_norms: bool = True  # olmo2: False, the sublayers' inputs are not normed (post_norms only)
     qkv_bias: bool = False
     o_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False  # qwen3: RMSNorm over head_dim on q and k, before RoPE
+    qk_norm_scope: str = "head"  # "head": over each head's head_dim | "all": over the whole projection (olmo2)
     mlp: str = "glu"  # "glu" (gate * act, fused gate_up) | "plain" (up, act, down)
     act: str = "silu"  # "silu" | "gelu" | "gelu_tanh"
     positions: str = "rope"  # "rope" | "learned"
@@ -54,11 +57,15 @@ class ModelConfig:
     rope_theta: float = 10000.0
     rope_scaling: dict[str, Any] | None = None  # {"rope_type": "linear"|"llama3", ...}
     partial_rotary_factor: float = 1.0
+    rope_local_theta: float | None = None  # gemma3: the RoPE base of sliding-window layers (unscaled)
+    layer_rope: list[bool] = field(default_factory=list)  # per layer: RoPE applied (smollm3 has layers without)
     attn_scale: float = 0.0  # 0 means head_dim ** -0.5
     layer_windows: list[int | None] = field(default_factory=list)  # per layer sliding window
     attn_softcap: float | None = None
     final_softcap: float | None = None
-    embed_scale: float = 1.0  # gemma: sqrt(hidden_size)
+    embed_scale: float = 1.0  # gemma: sqrt(hidden_size); granite: embedding_multiplier
+    residual_scale: float = 1.0  # granite: each sublayer's output times this before the residual add
+    logits_divisor: float = 1.0  # granite: logits divided by logits_scaling
     tie_embeddings: bool = False
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
@@ -68,6 +75,8 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if not self.layer_windows:
             self.layer_windows = [None] * self.num_layers
+        if not self.layer_rope:
+            self.layer_rope = [True] * self.num_layers
         if not self.attn_scale:
             self.attn_scale = self.head_dim**-0.5
         self.validate()
@@ -114,6 +123,14 @@ class ModelConfig:
             raise bad(f"unknown norm {self.norm!r} or mlp {self.mlp!r}")
         if self.act not in set(_ACTIVATIONS.values()):
             raise bad(f"unknown activation {self.act!r}")
+        if len(self.layer_rope) != self.num_layers:
+            raise bad(f"{len(self.layer_rope)} layer_rope entries for {self.num_layers} layers")
+        if self.qk_norm_scope not in ("head", "all"):
+            raise bad(f"unknown qk_norm_scope {self.qk_norm_scope!r}")
+        if not self.pre_norms and not self.post_norms:
+            raise bad("a block without pre_norms needs post_norms")
+        if not self.logits_divisor:
+            raise bad("logits_divisor must not be 0")
 
     # -- (de)serialization for the kvedge.json sidecar ------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -202,6 +219,17 @@ def _from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
     act_name = hf.get("hidden_activation") or hf.get("hidden_act") or "silu"
     if act_name not in _ACTIVATIONS:
         raise ConfigError(f"{source}: unsupported activation {act_name!r}; supported: {sorted(_ACTIVATIONS)}")
+    local_theta = None
+    by_type = hf.get("rope_parameters") or {}
+    if "full_attention" in by_type or "sliding_attention" in by_type:  # per layer type (gemma3, transformers 5)
+        local = dict(by_type.get("sliding_attention") or {})
+        if (local.get("rope_type") or "default") != "default":
+            raise ConfigError(f"{source}: rope_parameters.sliding_attention rope_type {local['rope_type']!r}: "
+                              "only unscaled RoPE is supported on sliding-window layers")
+        local_theta = float(local.get("rope_theta", 10000.0))
+        hf = {**hf, "rope_parameters": dict(by_type.get("full_attention") or {})}
+    elif arch == "gemma3_text":  # transformers 4.x keys
+        local_theta = float(hf.get("rope_local_base_freq", 10000.0))
     theta, scaling, partial = _rope(hf, source)
 
     opts: dict[str, Any] = dict(
@@ -217,20 +245,42 @@ def _from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
         rope_theta=theta,
         rope_scaling=scaling,
         partial_rotary_factor=partial,
-        tie_embeddings=bool(hf.get("tie_word_embeddings", arch in ("gemma", "gemma2"))),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", arch in ("gemma", "gemma2", "gemma3_text"))),
         layer_windows=_layer_windows(hf, arch, layers),
     )
-    if arch in ("llama", "qwen3"):
+    if arch in ("llama", "qwen3", "granite", "smollm3"):
         bias = bool(hf.get("attention_bias", False))
         opts.update(qkv_bias=bias, o_bias=bias, mlp_bias=bool(hf.get("mlp_bias", False)))
     if arch == "qwen2":
         opts.update(qkv_bias=True)
     if arch == "qwen3":
         opts.update(qk_norm=True)
-    if arch in ("gemma", "gemma2"):
+    if arch in ("gemma", "gemma2", "gemma3_text"):
         opts.update(norm_unit_offset=True, embed_scale=float(hidden) ** 0.5,
                     qkv_bias=bool(hf.get("attention_bias", False)), o_bias=bool(hf.get("attention_bias", False)))
-    if arch == "gemma2":
+    if arch == "gemma3_text":
+        if hf.get("use_bidirectional_attention"):
+            raise ConfigError(f"{source}: use_bidirectional_attention=true is not a causal decoder")
+        if not hf.get("sliding_window"):  # the local RoPE base goes with the window (rope_kind in the Decoder)
+            raise ConfigError(f"{source}: gemma3 without a sliding_window is not supported")
+        opts.update(qk_norm=True, rope_local_theta=local_theta)
+    if arch == "granite":
+        opts.update(embed_scale=float(hf.get("embedding_multiplier", 1.0)),
+                    residual_scale=float(hf.get("residual_multiplier", 1.0)),
+                    attn_scale=float(need("attention_multiplier")),
+                    logits_divisor=float(hf.get("logits_scaling", 1.0)))
+    if arch == "olmo2":
+        bias = bool(hf.get("attention_bias", False))
+        opts.update(pre_norms=False, post_norms=True, qk_norm=True, qk_norm_scope="all", qkv_bias=bias, o_bias=bias)
+    if arch == "smollm3":  # no_rope_layers[i]: 1 = layer i uses RoPE, 0 = it does not (NoPE)
+        flags = hf.get("no_rope_layers")
+        if flags is None:
+            every = int(hf.get("no_rope_layer_interval", 4))
+            flags = [int((i + 1) % every != 0) for i in range(layers)]
+        if len(flags) != layers:
+            raise ConfigError(f"{source}: no_rope_layers has {len(flags)} entries for {layers} layers")
+        opts.update(layer_rope=[bool(f) for f in flags])
+    if arch in ("gemma2", "gemma3_text"):
         opts.update(
             post_norms=True,
             attn_scale=float(hf.get("query_pre_attn_scalar", head_dim)) ** -0.5,
@@ -314,12 +364,19 @@ def _layer_windows(hf: dict[str, Any], arch: str, layers: int) -> list[int | Non
     if types is None:
         if arch == "gemma2":  # alternating, first layer sliding
             types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
+        elif arch == "gemma3_text":  # every sliding_window_pattern-th layer full, the rest sliding
+            every = int(hf.get("sliding_window_pattern", 6))
+            types = ["sliding_attention" if (i + 1) % every else "full_attention" for i in range(layers)]
+        elif arch == "smollm3":  # the layers without RoPE slide, when use_sliding_window
+            flags = hf.get("no_rope_layers") or [1] * layers
+            types = ["sliding_attention" if hf.get("use_sliding_window") and not f else "full_attention"
+                     for f in flags]
         elif arch in ("qwen2", "qwen3"):
             start = hf.get("max_window_layers", layers) if hf.get("use_sliding_window") else layers
             types = ["sliding_attention" if i >= start else "full_attention" for i in range(layers)]
         else:  # mistral, phi3: every layer
             types = ["sliding_attention"] * layers
-    elif arch in ("qwen2", "qwen3") and not hf.get("use_sliding_window", False):
+    elif arch in ("qwen2", "qwen3", "smollm3") and not hf.get("use_sliding_window", False):
         types = ["full_attention"] * layers
     if len(types) != layers:
         raise ConfigError(f"layer_types has {len(types)} entries for {layers} layers")

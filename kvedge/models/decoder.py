@@ -53,13 +53,20 @@ class Block(nn.Module):
         self.cfg = cfg
         self.window = cfg.layer_windows[index]
         h, d = cfg.hidden_size, cfg.head_dim
-        self.attn_norm = make_norm(cfg, h)
+        # which RoPE table the layer's attention rotates with: None (no RoPE), "global" or "local" (gemma3's
+        # sliding-window layers, rope_local_theta)
+        self.rope_kind = None if cfg.positions != "rope" or not cfg.layer_rope[index] else (
+            "local" if cfg.rope_local_theta is not None and self.window else "global")
+        if cfg.pre_norms:
+            self.attn_norm = make_norm(cfg, h)
         self.qkv = nn.Linear(h, cfg.qkv_size, bias=cfg.qkv_bias)
         self.o = nn.Linear(cfg.num_heads * d, h, bias=cfg.o_bias)
-        if cfg.qk_norm:
-            self.q_norm = RMSNorm(d, cfg.norm_eps, cfg.norm_unit_offset)
-            self.k_norm = RMSNorm(d, cfg.norm_eps, cfg.norm_unit_offset)
-        self.mlp_norm = make_norm(cfg, h)
+        if cfg.qk_norm:  # over head_dim, or over the whole projection (qk_norm_scope "all")
+            wide = cfg.qk_norm_scope == "all"
+            self.q_norm = RMSNorm(cfg.num_heads * d if wide else d, cfg.norm_eps, cfg.norm_unit_offset)
+            self.k_norm = RMSNorm(cfg.num_kv_heads * d if wide else d, cfg.norm_eps, cfg.norm_unit_offset)
+        if cfg.pre_norms:
+            self.mlp_norm = make_norm(cfg, h)
         if cfg.post_norms:
             self.post_attn_norm = make_norm(cfg, h)
             self.post_mlp_norm = make_norm(cfg, h)
@@ -69,25 +76,30 @@ class Block(nn.Module):
         self.act = _ACT[cfg.act]
 
     def forward(self, x, positions, rope_tables, k_cache, v_cache, attention_op, kv_scales=()):
-        """kv_scales: (k_scale, v_scale) of an int8 cache, passed on to the attention op; () otherwise."""
+        """rope_tables: {"global": (cos, sin)[, "local": ...]}, the layer takes its rope_kind's (none: {}).
+        kv_scales: (k_scale, v_scale) of an int8 cache, passed on to the attention op; () otherwise."""
         cfg = self.cfg
         b, l, _ = x.shape
         hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        qkv = self.qkv(self.attn_norm(x))
+        qkv = self.qkv(self.attn_norm(x) if cfg.pre_norms else x)
         q, k, v = qkv.split((hq * d, hkv * d, hkv * d), dim=-1)
+        if cfg.qk_norm and cfg.qk_norm_scope == "all":
+            q, k = self.q_norm(q), self.k_norm(k)
         q = q.view(b, l, hq, d).transpose(1, 2)
         k = k.view(b, l, hkv, d).transpose(1, 2)
         v = v.view(b, l, hkv, d).transpose(1, 2)
-        if cfg.qk_norm:
+        if cfg.qk_norm and cfg.qk_norm_scope == "head":
             q, k = self.q_norm(q), self.k_norm(k)
         quant = dict(zip(("k_scale", "v_scale"), kv_scales))  # only an int8 cache's op gets them
         a = attention_op(q, k, v, k_cache, v_cache, positions, scale=cfg.attn_scale, window=self.window,
-                         softcap=cfg.attn_softcap, rope=rope_tables, **quant)
+                         softcap=cfg.attn_softcap, rope=rope_tables.get(self.rope_kind), **quant)
         a = self.o(a.transpose(1, 2).reshape(b, l, hq * d))
         if cfg.post_norms:
             a = self.post_attn_norm(a)
+        if cfg.residual_scale != 1.0:
+            a = a * cfg.residual_scale
         x = x + a
-        hidden = self.mlp_norm(x)
+        hidden = self.mlp_norm(x) if cfg.pre_norms else x
         if cfg.mlp == "glu":
             gate, up = self.up(hidden).split(cfg.intermediate_size, dim=-1)
             m = self.down(self.act(gate) * up)
@@ -95,6 +107,8 @@ class Block(nn.Module):
             m = self.down(self.act(self.up(hidden)))
         if cfg.post_norms:
             m = self.post_mlp_norm(m)
+        if cfg.residual_scale != 1.0:
+            m = m * cfg.residual_scale
         return x + m
 
 
@@ -119,17 +133,21 @@ class Decoder(nn.Module):
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.register_buffer("inv_freq", rope.inv_freq(cfg) if cfg.positions == "rope" else torch.empty(0),
                              persistent=False)
+        if cfg.rope_local_theta is not None:  # gemma3's sliding-window layers: their own base, unscaled
+            self.register_buffer("inv_freq_local", rope.inv_freq(cfg, local=True), persistent=False)
         self.attention_op: Callable[..., torch.Tensor] = attention
         self._tables: tuple | None = None
 
-    def rope_tables(self, length: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin tables [length, rotary_dim / 2] (kvedge.models.rope.tables), kept between calls.
-
-        Under torch.export they are recomputed in the graph (constant-folded there) and not kept."""
+    def rope_tables(self, length: int, dtype: torch.dtype) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """{"global": cos/sin tables [length, rotary_dim / 2] (kvedge.models.rope.tables)[, "local": those of
+        rope_local_theta]}, kept between calls. Under torch.export they are recomputed in the graph
+        (constant-folded there) and not kept."""
         key = (length, dtype, self.inv_freq.device)
         if self._tables is not None and self._tables[0] == key:
             return self._tables[1]
-        tables = rope.tables(self.inv_freq, length, dtype)
+        tables = {"global": rope.tables(self.inv_freq, length, dtype)}
+        if hasattr(self, "inv_freq_local"):
+            tables["local"] = rope.tables(self.inv_freq_local, length, dtype)
         if not (torch.compiler.is_compiling() or torch.compiler.is_exporting()):
             self._tables = (key, tables)
         return tables
@@ -145,10 +163,10 @@ class Decoder(nn.Module):
         x = self.embed(input_ids)
         if cfg.embed_scale != 1.0:
             x = x * torch.tensor(cfg.embed_scale, dtype=x.dtype)
-        tables = None
+        tables = {}
         if cfg.positions == "learned":
             x = x + self.pos_embed(positions)
-        else:  # one table per cache length, shared by every layer
+        else:  # the tables of one cache length, shared by the layers (each takes its rope_kind's)
             tables = self.rope_tables(caches[0][0].shape[2], x.dtype)
         for layer, (k_cache, v_cache, *kv_scales) in zip(self.layers, caches, strict=True):
             x = layer(x, positions, tables, k_cache, v_cache, self.attention_op, kv_scales)
@@ -157,6 +175,8 @@ class Decoder(nn.Module):
         h = self.norm(x)
         # tied embeddings share the embedding matrix, unless a separate (e.g. quantized) lm_head was set
         logits = self.lm_head(h) if hasattr(self, "lm_head") else F.linear(h, self.embed.weight)
+        if cfg.logits_divisor != 1.0:
+            logits = logits / cfg.logits_divisor
         if cfg.final_softcap is not None:
             logits = torch.tanh(logits / cfg.final_softcap) * cfg.final_softcap
         return logits

@@ -537,6 +537,8 @@ def load_decoder(path: str | Path, dtype: str | torch.dtype | None = None, devic
         state.update({f"{module}.{b}": getattr(linear, b) for b in _BUFFERS if getattr(linear, b) is not None})
     model.load_state_dict(state, strict=True, assign=True)
     model.inv_freq = (rope.inv_freq(cfg) if cfg.positions == "rope" else torch.empty(0)).to(device)
+    if cfg.rope_local_theta is not None:
+        model.inv_freq_local = rope.inv_freq(cfg, local=True).to(device)
     model.gguf = record
     if linears:  # export and the native engine take them as they are
         kinds = sorted({t.split()[0] for t in record["linears"].values()})

@@ -59,12 +59,16 @@ def tensor_map(cfg: ModelConfig, prefix: str = "") -> dict[str, Source]:
         one("lm_head.weight", "lm_head.weight", (cfg.vocab_size, h))
     for i in range(cfg.num_layers):
         p, k = f"model.layers.{i}.", f"layers.{i}."
-        one(k + "attn_norm.weight", p + "input_layernorm.weight", (h,))
-        if cfg.post_norms:  # gemma2 names its four norms differently
+        if not cfg.pre_norms:  # olmo2: only the norms after each sublayer
+            one(k + "post_attn_norm.weight", p + "post_attention_layernorm.weight", (h,))
+            one(k + "post_mlp_norm.weight", p + "post_feedforward_layernorm.weight", (h,))
+        elif cfg.post_norms:  # gemma2 names its four norms differently
+            one(k + "attn_norm.weight", p + "input_layernorm.weight", (h,))
             one(k + "post_attn_norm.weight", p + "post_attention_layernorm.weight", (h,))
             one(k + "mlp_norm.weight", p + "pre_feedforward_layernorm.weight", (h,))
             one(k + "post_mlp_norm.weight", p + "post_feedforward_layernorm.weight", (h,))
         else:
+            one(k + "attn_norm.weight", p + "input_layernorm.weight", (h,))
             one(k + "mlp_norm.weight", p + "post_attention_layernorm.weight", (h,))
         if cfg.arch == "phi3":  # already fused in the checkpoint
             one(k + "qkv.weight", p + "self_attn.qkv_proj.weight", (cfg.qkv_size, h))
@@ -88,8 +92,9 @@ def tensor_map(cfg: ModelConfig, prefix: str = "") -> dict[str, Source]:
         if cfg.mlp_bias:
             one(k + "down.bias", p + "mlp.down_proj.bias", (h,))
         if cfg.qk_norm:
-            one(k + "q_norm.weight", p + "self_attn.q_norm.weight", (d,))
-            one(k + "k_norm.weight", p + "self_attn.k_norm.weight", (d,))
+            wide = cfg.qk_norm_scope == "all"  # olmo2: over the whole projection
+            one(k + "q_norm.weight", p + "self_attn.q_norm.weight", (qd if wide else d,))
+            one(k + "k_norm.weight", p + "self_attn.k_norm.weight", (kvd if wide else d,))
     return m
 
 
@@ -286,4 +291,6 @@ def load_decoder(model_dir: str | Path, dtype: str | torch.dtype | None = None,
         model.prequantized = quantized.record()
     model.load_state_dict(state, strict=True, assign=True)
     model.inv_freq = (rope.inv_freq(cfg) if cfg.positions == "rope" else torch.empty(0)).to(device)
+    if cfg.rope_local_theta is not None:
+        model.inv_freq_local = rope.inv_freq(cfg, local=True).to(device)
     return model.eval().requires_grad_(False)

@@ -12,11 +12,13 @@ import torch
 from kvedge.models.config import ModelConfig
 
 
-def inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    """Inverse frequencies [rotary_dim / 2] in float32, after the config's rope scaling."""
+def inv_freq(cfg: ModelConfig, local: bool = False) -> torch.Tensor:
+    """Inverse frequencies [rotary_dim / 2] in float32, after the config's rope scaling (local: those of the
+    sliding-window layers, rope_local_theta, unscaled)."""
     dim = cfg.rotary_dim
-    freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    s = cfg.rope_scaling
+    theta = cfg.rope_local_theta if local else cfg.rope_theta
+    freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    s = None if local else cfg.rope_scaling
     if s is None:
         return freq
     if s["rope_type"] == "linear":

@@ -11,7 +11,8 @@ ones (activations="int16": within float rounding of the torch model); norms, RoP
 are float32 (or an int8 cache, kv_dtype="int8"). Caches are torch tensors [max_batch, kv_heads,
 max_seq_len, head_dim], allocated once and written in place by the engine.
 
-Supported: RMSNorm decoders with rotary positions (llama, mistral, qwen2, qwen3, gemma, gemma2, phi3).
+Supported: RMSNorm decoders with rotary positions (llama, mistral, qwen2, qwen3, gemma, gemma2, gemma3, phi3,
+granite, olmo2, smollm3: layers without RoPE or with their own RoPE base, norms before and / or after each sublayer).
 Refused with a reason: LayerNorm / learned positions (gpt2), a cache other than float32 or int8.
 """
 
@@ -55,16 +56,18 @@ class Layer(ctypes.Structure):
                                               "post_mlp_norm")] + \
                [(n, Linear) for n in ("qkv", "o", "up", "down")] + \
                [("window", ctypes.c_int32)] + \
-               [(n, ctypes.c_void_p) for n in ("k_cache", "v_cache", "k_scale", "v_scale", "k_inv", "v_inv")]
+               [(n, ctypes.c_void_p) for n in ("k_cache", "v_cache", "k_scale", "v_scale", "k_inv", "v_inv", "cos",
+                                              "sin")]
 
 
 class Model(ctypes.Structure):
     _c_struct_ = "kv_model"
     _fields_ = [(n, ctypes.c_int32) for n in ("vocab", "hidden", "n_layers", "hq", "hkv", "d", "inter", "rot_half",
-                                              "glu", "act", "unit_offset", "max_batch", "max_seq")] + \
-               [(n, ctypes.c_float) for n in ("eps", "attn_scale", "attn_softcap", "final_softcap", "embed_scale")] + \
+                                              "glu", "act", "unit_offset", "max_batch", "max_seq", "qk_norm_all")] + \
+               [(n, ctypes.c_float) for n in ("eps", "attn_scale", "attn_softcap", "final_softcap", "embed_scale",
+                                              "residual_scale", "logits_divisor")] + \
                [("embed", ctypes.c_void_p), ("final_norm", ctypes.c_void_p), ("lm_head", Linear),
-                ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p), ("layers", ctypes.POINTER(Layer))]
+                ("layers", ctypes.POINTER(Layer))]
 
 
 def check_layout(dll: ctypes.CDLL, structs: tuple[type[ctypes.Structure], ...] = (Linear, Layer, Model)) -> None:
@@ -328,16 +331,21 @@ class NativeBackend(CacheList):
                 ly.k_scale, ly.v_scale = keep(ks), keep(vs)
                 ly.k_inv, ly.v_inv = keep(torch.reciprocal(ks)), keep(torch.reciprocal(vs))
         head = model.lm_head if hasattr(model, "lm_head") else lm_head_linear(model)
-        cos, sin = rope.tables(model.inv_freq.float(), max_seq_len, torch.float32)
+        tables = {"global": rope.tables(model.inv_freq.float(), max_seq_len, torch.float32)}
+        if hasattr(model, "inv_freq_local"):  # gemma3's sliding-window layers
+            tables["local"] = rope.tables(model.inv_freq_local.float(), max_seq_len, torch.float32)
+        tables = {kind: tuple(keep(t.contiguous()) for t in pair) for kind, pair in tables.items()}
+        for blk, ly in zip(model.layers, layers):  # each layer's table, none for a layer without RoPE
+            ly.cos, ly.sin = tables.get(blk.rope_kind, (0, 0))
         self._layers = layers
         self.m = Model(cfg.vocab_size, cfg.hidden_size, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                        cfg.intermediate_size, cfg.rotary_dim // 2, int(cfg.mlp == "glu"), _ACTS[cfg.act],
-                       int(cfg.norm_unit_offset), max_batch, max_seq_len, cfg.norm_eps, cfg.attn_scale,
-                       cfg.attn_softcap or 0.0, cfg.final_softcap or 0.0, cfg.embed_scale,
-                       keep(model.embed.weight.detach().float().contiguous()),
+                       int(cfg.norm_unit_offset), max_batch, max_seq_len,
+                       int(cfg.qk_norm and cfg.qk_norm_scope == "all"), cfg.norm_eps, cfg.attn_scale,
+                       cfg.attn_softcap or 0.0, cfg.final_softcap or 0.0, cfg.embed_scale, cfg.residual_scale,
+                       cfg.logits_divisor, keep(model.embed.weight.detach().float().contiguous()),
                        keep(model.norm.weight.detach().float().contiguous()),
-                       pack_linear(self.dll, head, keep, activations),
-                       keep(cos.contiguous()), keep(sin.contiguous()), layers)
+                       pack_linear(self.dll, head, keep, activations), layers)
         self.logits = torch.empty((max_batch, 1, cfg.vocab_size))
         self.scratch = torch.empty(0, dtype=torch.uint8)  # the engine's work buffers, grown to the largest chunk
 

@@ -613,22 +613,25 @@ int kv_linear_forward(const kv_linear *l, int m, const float *x, float *y, int t
 /* The decoder (kvedge.models.decoder) for RMSNorm models with rotary positions.                   */
 
 typedef struct {
-    const float *attn_norm, *mlp_norm, *q_norm, *k_norm, *post_attn_norm, *post_mlp_norm; /* NULL: absent */
+    /* NULL: absent (no attn_norm / mlp_norm: the sublayer reads the residual stream as it is, olmo2) */
+    const float *attn_norm, *mlp_norm, *q_norm, *k_norm, *post_attn_norm, *post_mlp_norm;
     kv_linear qkv, o, up, down;
     int32_t window;           /* sliding window, 0: none */
     void *k_cache, *v_cache;  /* [max_batch][hkv][max_seq][d] float32, or int8 with scales; written in place */
     /* an int8 cache's scales per KV head and channel [hkv][d], and their reciprocals (the write multiplies by
      * them, as kvedge.models.attention does); NULL for a float32 cache */
     const float *k_scale, *v_scale, *k_inv, *v_inv;
+    const float *cos, *sin; /* this layer's RoPE tables [max_seq][rot_half]; NULL: no RoPE on this layer */
 } kv_layer;
 
 typedef struct {
     int32_t vocab, hidden, n_layers, hq, hkv, d, inter, rot_half, glu, act, unit_offset, max_batch, max_seq;
+    int32_t qk_norm_all; /* q/k norms over the whole projection (all heads), not per head */
     float eps, attn_scale, attn_softcap, final_softcap, embed_scale; /* softcaps: 0 = none */
+    float residual_scale, logits_divisor; /* sublayer outputs times residual_scale; logits / logits_divisor */
     const float *embed;                                              /* [vocab][hidden] */
     const float *final_norm;
     kv_linear lm_head;
-    const float *cos, *sin; /* [max_seq][rot_half] */
     kv_layer *layers;
 } kv_model;
 
@@ -650,11 +653,11 @@ static const kv_layout_entry kv_layout_table[] = {
     LIN(bias), LIN(planes), LIN(s32), LIN(mins32),
     KV_STRUCT(kv_layer), LAY(attn_norm), LAY(mlp_norm), LAY(q_norm), LAY(k_norm), LAY(post_attn_norm),
     LAY(post_mlp_norm), LAY(qkv), LAY(o), LAY(up), LAY(down), LAY(window), LAY(k_cache), LAY(v_cache), LAY(k_scale),
-    LAY(v_scale), LAY(k_inv), LAY(v_inv),
+    LAY(v_scale), LAY(k_inv), LAY(v_inv), LAY(cos), LAY(sin),
     KV_STRUCT(kv_model), MOD(vocab), MOD(hidden), MOD(n_layers), MOD(hq), MOD(hkv), MOD(d), MOD(inter),
-    MOD(rot_half), MOD(glu), MOD(act), MOD(unit_offset), MOD(max_batch), MOD(max_seq), MOD(eps), MOD(attn_scale),
-    MOD(attn_softcap), MOD(final_softcap), MOD(embed_scale), MOD(embed), MOD(final_norm), MOD(lm_head), MOD(cos),
-    MOD(sin), MOD(layers)};
+    MOD(rot_half), MOD(glu), MOD(act), MOD(unit_offset), MOD(max_batch), MOD(max_seq), MOD(qk_norm_all), MOD(eps),
+    MOD(attn_scale), MOD(attn_softcap), MOD(final_softcap), MOD(embed_scale), MOD(residual_scale),
+    MOD(logits_divisor), MOD(embed), MOD(final_norm), MOD(lm_head), MOD(layers)};
 #undef LIN
 #undef LAY
 #undef MOD
@@ -923,7 +926,9 @@ void kv_forward(const kv_model *m, int B, int L, const int64_t *ids, const int64
         for (int li = 0; li < m->n_layers; li++) {
             const kv_layer *ly = &m->layers[li];
             /* rows [r0, r1) are this thread's from the embedding to each projection's quantized input */
-            for (int r = r0; r < r1; r++) rmsnorm(xs + (size_t)r * H, ly->attn_norm, H, m->eps, m->unit_offset, hs + (size_t)r * H);
+            for (int r = r0; r < r1; r++)
+                if (ly->attn_norm) rmsnorm(xs + (size_t)r * H, ly->attn_norm, H, m->eps, m->unit_offset, hs + (size_t)r * H);
+                else memcpy(hs + (size_t)r * H, xs + (size_t)r * H, sizeof(float) * H);
             /* attention's work items (below): prefill, blocks of QB consecutive queries of one head; decode
              * (L = 1), the query heads of one KV head in groups of QB, so each K/V row is read once for them */
             int per = L > 1 ? (L + QB - 1) / QB : (g + QB - 1) / QB, heads = L > 1 ? hq : hkv;
@@ -938,6 +943,14 @@ void kv_forward(const kv_model *m, int B, int L, const int64_t *ids, const int64
             }
             dq.b = -1; /* a new layer's cache */
             linear_rows(&ly->qkv, M, hs, t, qs8, sas, cs, rep, &ly->o, L == 1 ? &more : NULL);
+            if (m->qk_norm_all) { /* q/k norms over all heads of a row's projection at once */
+#pragma omp for schedule(static)
+                for (int r = 0; r < M; r++) {
+                    float *v = t + (size_t)r * qkv_n;
+                    rmsnorm(v, ly->q_norm, hq * d, m->eps, m->unit_offset, v);
+                    rmsnorm(v + (size_t)hq * d, ly->k_norm, hkv * d, m->eps, m->unit_offset, v + (size_t)hq * d);
+                }
+            }
             /* q/k norm, rotation, cache write: one (row, head) at a time */
 #pragma omp for schedule(static) collapse(2)
             for (int r = 0; r < M; r++)
@@ -946,8 +959,9 @@ void kv_forward(const kv_model *m, int B, int L, const int64_t *ids, const int64
                     int64_t p = pos[r];
                     float *v = t + (size_t)r * qkv_n + (size_t)hh * d;
                     const float *nw = hh < hq ? ly->q_norm : ly->k_norm;
-                    if (nw) rmsnorm(v, nw, d, m->eps, m->unit_offset, v);
-                    if (m->rot_half) rope(v, m->cos + p * m->rot_half, m->sin + p * m->rot_half, m->rot_half);
+                    if (nw && !m->qk_norm_all) rmsnorm(v, nw, d, m->eps, m->unit_offset, v);
+                    if (m->rot_half && ly->cos)
+                        rope(v, ly->cos + p * m->rot_half, ly->sin + p * m->rot_half, m->rot_half);
                     if (hh >= hq) {
                         int kh = hh - hq;
                         size_t slot = (((size_t)b * hkv + kh) * m->max_seq + p) * d;
@@ -988,8 +1002,9 @@ void kv_forward(const kv_model *m, int B, int L, const int64_t *ids, const int64
                 const float *o = t2 + (size_t)r * H;
                 float *hr = hs + (size_t)r * H, *xr = xs + (size_t)r * H;
                 if (ly->post_attn_norm) rmsnorm(o, ly->post_attn_norm, H, m->eps, m->unit_offset, hr), o = hr;
-                for (int i = 0; i < H; i++) xr[i] += o[i];
-                rmsnorm(xr, ly->mlp_norm, H, m->eps, m->unit_offset, hr);
+                for (int i = 0; i < H; i++) xr[i] += o[i] * m->residual_scale;
+                if (ly->mlp_norm) rmsnorm(xr, ly->mlp_norm, H, m->eps, m->unit_offset, hr);
+                else memcpy(hr, xr, sizeof(float) * H);
             }
             linear_rows(&ly->up, M, hs, t, qs8, sas, cs, rep, &ly->down, NULL);
             int I = m->inter, chunks = (I + 7) / 8;
@@ -1003,7 +1018,7 @@ void kv_forward(const kv_model *m, int B, int L, const int64_t *ids, const int64
                 const float *o = t2 + (size_t)r * H;
                 float *hr = hs + (size_t)r * H, *xr = xs + (size_t)r * H;
                 if (ly->post_mlp_norm) rmsnorm(o, ly->post_mlp_norm, H, m->eps, m->unit_offset, hr), o = hr;
-                for (int i = 0; i < H; i++) xr[i] += o[i];
+                for (int i = 0; i < H; i++) xr[i] += o[i] * m->residual_scale;
             }
         }
         if (!rep) { /* the final norm splits by batch row: other threads' token rows */
@@ -1014,6 +1029,10 @@ void kv_forward(const kv_model *m, int B, int L, const int64_t *ids, const int64
         for (int b = b0; b < b1; b++)
             rmsnorm(xs + ((size_t)b * L + logit_index[b]) * H, m->final_norm, H, m->eps, m->unit_offset, hs + (size_t)b * H);
         linear_rows(&m->lm_head, B, hs, logits, qs8, sas, cs, rep, NULL, NULL);
+        if (m->logits_divisor != 1.f) {
+#pragma omp for schedule(static)
+            for (size_t i = 0; i < (size_t)B * m->vocab; i++) logits[i] /= m->logits_divisor;
+        }
         if (m->final_softcap > 0.f) {
 #pragma omp for schedule(static)
             for (size_t i = 0; i < (size_t)B * m->vocab; i++)
