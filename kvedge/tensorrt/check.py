@@ -20,7 +20,7 @@ from kvedge.errors import KvedgeError
 from kvedge.tensorrt import plugin as trt_plugin
 from kvedge.tensorrt.versions import parse_version
 
-MAX_OPSET = {(8, 6): 17, (10, 0): 20, (10, 9): 22, (10, 13): 24, (11, 0): 24}
+MAX_OPSET = {(8, 6): 17, (9, 0): 19, (10, 0): 20, (10, 9): 22, (10, 13): 24, (11, 0): 24}
 
 # Operators the 8.6 parser supports (subset relevant to decoder graphs).
 BASE_OPS = {
@@ -52,7 +52,7 @@ ATTENTION_OUTPUTS_REFUSED = {1: "present_key", 2: "present_value", 3: "qk_matmul
 ATTENTION_ATTRS_REFUSED = ("qk_matmul_output_mode", "softcap")
 # ONNX tensor dtypes: first TensorRT release that builds with them.
 DTYPE_SINCE = {1: (8, 6), 10: (8, 6), 6: (8, 6), 7: (8, 6), 9: (8, 6), 2: (8, 6), 3: (8, 6),
-               16: (10, 0), 17: (10, 0), 22: (10, 0)}  # float, fp16, int32, int64, bool, uint8, int8, bf16, fp8, int4
+               16: (9, 0), 17: (9, 0), 22: (10, 0)}  # float, fp16, int32, int64, bool, uint8, int8, bf16, fp8, int4
 PLUGINS = {  # custom-domain op -> what provides it
     ("com.microsoft", "GroupQueryAttention"): "ONNX Runtime's contrib op: no TensorRT implementation; "
                                               "re-export with --attention onnx or decomposed",
@@ -76,7 +76,7 @@ QUANT_FORMS = {  # x dtype (ONNX) -> what TensorRT needs
     3: {"name": "INT8", "since": (8, 6), "blocked_since": None, "block_sizes": None, "gpus": "Turing and later"},
     22: {"name": "INT4", "since": (10, 0), "blocked_since": (10, 0), "block_sizes": (64, 128),
          "gpus": "Ampere and later (Jetson Orin, Thor)"},
-    17: {"name": "FP8", "since": (10, 0), "blocked_since": (10, 13), "block_sizes": None,
+    17: {"name": "FP8", "since": (9, 0), "blocked_since": (10, 13), "block_sizes": None,
          "gpus": "Ada, Hopper, Blackwell (Thor); not Ampere (Orin)"},
 }
 UNSIGNED = {2: "UINT8", 21: "UINT4"}  # no TensorRT quantized type; kvedge's asymmetric quantizer stores these

@@ -47,9 +47,9 @@ def test_check_verdicts_follow_kvedges_table_per_lowering_and_version(lowering, 
 # or dropped in kvedge without its source changed here fails test_every_row_of_kvedges_support_table_has_its_source.
 OPS_MD, CHANGES = "onnx/onnx-tensorrt docs/operators.md", "onnx/onnx-tensorrt docs/Changelog.md"
 NVINFER = "NVIDIA/TensorRT include/NvInfer.h IDequantizeLayer"
-NINE = f"; {OPS_MD} @ 9.0-GA lists it already, but kvedge's table has no 9.x row: 9.x is read as 8.6"
 TABLE_SOURCES = {
     ("MAX_OPSET", (8, 6)): (17, f"{OPS_MD} @ 8.6-GA: 'TensorRT 8.6 supports operators up to Opset 17'"),
+    ("MAX_OPSET", (9, 0)): (19, f"{OPS_MD} @ 9.0-GA: 'TensorRT 9.0 supports operators up to Opset 19' (9.3 too)"),
     ("MAX_OPSET", (10, 0)): (20, f"{OPS_MD} @ 10.0-GA: 'in the inclusive range of opset 9 to opset 20'"),
     ("MAX_OPSET", (10, 9)): (22, f"{OPS_MD} @ 10.9-GA"),
     ("MAX_OPSET", (10, 13)): (24, f"{OPS_MD} @ 10.13-GA (@ 10.15-GA: 'in the inclusive range of opset 9 to opset 24')"),
@@ -64,8 +64,8 @@ TABLE_SOURCES = {
        for dt in (1, 10, 6, 7, 9, 3)},
     ("DTYPE_SINCE", 2): ((8, 6), f"{CHANGES} 8.5 GA: 'Added support for importing ONNX networks with `UINT8` I/O "
                                  "types'"),
-    ("DTYPE_SINCE", 16): ((10, 0), f"{OPS_MD} @ 10.0-GA data types: 'BFLOAT16'" + NINE),
-    ("DTYPE_SINCE", 17): ((10, 0), f"{OPS_MD} @ 10.0-GA data types: 'FP8'" + NINE),
+    ("DTYPE_SINCE", 16): ((9, 0), f"{OPS_MD} @ 9.0-GA data types: 'BFLOAT16' (not @ 8.6-GA)"),
+    ("DTYPE_SINCE", 17): ((9, 0), f"{OPS_MD} @ 9.0-GA data types: 'FP8' (not @ 8.6-GA)"),
     ("DTYPE_SINCE", 22): ((10, 0), f"{CHANGES} 10.0 EA: 'Added support for `INT4` quantization'"),
     ("QUANT_FORMS", "INT8"): (((8, 6), None, None), f"{OPS_MD} @ 8.6-GA: 'DequantizeLinear | Y | INT8'; blocked: "
                                                     f"{NVINFER} (kINT4 only @ release/10.0-10.12, kFP4, kFP8, "
@@ -73,8 +73,8 @@ TABLE_SOURCES = {
     ("QUANT_FORMS", "INT4"): (((10, 0), (10, 0), (64, 128)), f"{OPS_MD} @ 10.0-GA: 'DequantizeLinear | Y | INT8, "
                                                              f"FP8, INT4'; {NVINFER} @ release/10.0; block sizes: "
                                                              "TensorRT docs, Quantization Schemes"),
-    ("QUANT_FORMS", "FP8"): (((10, 0), (10, 13), None), f"{OPS_MD} @ 10.0-GA: 'DequantizeLinear | Y | INT8, FP8, "
-                                                        f"INT4'" + NINE + f"; blocked: {NVINFER} @ release/10.13"),
+    ("QUANT_FORMS", "FP8"): (((9, 0), (10, 13), None), f"{OPS_MD} @ 9.0-GA: 'DequantizeLinear | Y | INT8, FP8'; "
+                                                       f"blocked: {NVINFER} @ release/10.13"),
 }
 
 
@@ -104,11 +104,12 @@ def test_every_row_of_kvedges_support_table_has_its_source():
                                    for c in cells), cells
 
 
-def test_check_flags_bf16_before_10(exported):
+def test_check_flags_bf16_before_9(exported):
+    """bfloat16 tensors parse from 9.0 (onnx-tensorrt docs/operators.md @ 9.0-GA; not @ 8.6-GA)."""
     out, _ = exported("llama-gqa4-llama3rope", "decomposed", dtype="bf16")
     assert not check(out / "model.onnx", "8.6").buildable
-    assert any("bfloat16 needs TensorRT >= 10.0" in f.message for f in check(out / "model.onnx", "8.6").findings)
-    assert check(out / "model.onnx", "10.3").buildable
+    assert any("bfloat16 needs TensorRT >= 9.0" in f.message for f in check(out / "model.onnx", "8.6").findings)
+    assert check(out / "model.onnx", "9.0").buildable and check(out / "model.onnx", "10.3").buildable
 
 
 def test_check_cli_exit_codes(exported, capsys):
