@@ -272,11 +272,8 @@ def _from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
     if arch == "olmo2":
         bias = bool(hf.get("attention_bias", False))
         opts.update(pre_norms=False, post_norms=True, qk_norm=True, qk_norm_scope="all", qkv_bias=bias, o_bias=bias)
-    if arch == "smollm3":  # no_rope_layers[i]: 1 = layer i uses RoPE, 0 = it does not (NoPE)
-        flags = hf.get("no_rope_layers")
-        if flags is None:
-            every = int(hf.get("no_rope_layer_interval", 4))
-            flags = [int((i + 1) % every != 0) for i in range(layers)]
+    if arch == "smollm3":
+        flags = _smollm3_rope_flags(hf, layers)
         if len(flags) != layers:
             raise ConfigError(f"{source}: no_rope_layers has {len(flags)} entries for {layers} layers")
         opts.update(layer_rope=[bool(f) for f in flags])
@@ -355,6 +352,16 @@ def _rope(hf: dict[str, Any], source: str) -> tuple[float, dict[str, Any] | None
     return theta, scaling, partial
 
 
+def _smollm3_rope_flags(hf: dict[str, Any], layers: int) -> list[int]:
+    """smollm3's no_rope_layers: [i] 1 = layer i uses RoPE, 0 = it does not (NoPE); absent, every
+    no_rope_layer_interval-th layer has none (transformers' SmolLM3Config default)."""
+    flags = hf.get("no_rope_layers")
+    if flags is None:
+        every = int(hf.get("no_rope_layer_interval", 4))
+        flags = [int((i + 1) % every != 0) for i in range(layers)]
+    return list(flags)
+
+
 def _layer_windows(hf: dict[str, Any], arch: str, layers: int) -> list[int | None]:
     """Per-layer sliding window, following each architecture's rule in transformers."""
     window = hf.get("sliding_window")
@@ -368,9 +375,8 @@ def _layer_windows(hf: dict[str, Any], arch: str, layers: int) -> list[int | Non
             every = int(hf.get("sliding_window_pattern", 6))
             types = ["sliding_attention" if (i + 1) % every else "full_attention" for i in range(layers)]
         elif arch == "smollm3":  # the layers without RoPE slide, when use_sliding_window
-            flags = hf.get("no_rope_layers") or [1] * layers
             types = ["sliding_attention" if hf.get("use_sliding_window") and not f else "full_attention"
-                     for f in flags]
+                     for f in _smollm3_rope_flags(hf, layers)]
         elif arch in ("qwen2", "qwen3"):
             start = hf.get("max_window_layers", layers) if hf.get("use_sliding_window") else layers
             types = ["sliding_attention" if i >= start else "full_attention" for i in range(layers)]

@@ -183,7 +183,7 @@ def pack_linear(dll: ctypes.CDLL, mod: nn.Module, keep: _Keep, activations: str 
     zeros = None if mins is not None else unpack_zeros(mod.zeros, bits, n, groups).contiguous()
     mid = 2 ** (bits - 1)
     stride = dll.kv_stride(k)  # per-sub-block figures per row, padded to whole chunks of 8
-    if mins is not None and not all(torch.equal(v.float().half().float(), v.float()) for v in (mod.scales, mins)):
+    if mins is not None and not (_is_half(mod.scales) and _is_half(mins)):
         lin = Linear(n, k, bits, 0, float(mid), keep(mod.qweight.contiguous()), 0, 0, 0, 0, bias,
                      ACTIVATIONS[activations], keep(torch.empty(n * stride)), keep(torch.empty(n * stride)))
         if dll.kv_pack_affine32(ctypes.byref(lin), keep(mod.scales.float().contiguous()),
@@ -206,14 +206,18 @@ def pack_linear(dll: ctypes.CDLL, mod: nn.Module, keep: _Keep, activations: str 
     return lin
 
 
+def _is_half(v: torch.Tensor) -> bool:
+    """Every value of v is a float16 value."""
+    return torch.equal(v.float().half().float(), v.float())
+
+
 def _half_exact(v: torch.Tensor, what: str, n: int, k: int) -> torch.Tensor:
     """v as float16, which the engine keeps; refused unless every value is a float16 value."""
-    half = v.half()
-    if not torch.equal(half.float(), v):
+    if not _is_half(v):
         raise KvedgeError(f"the native engine stores {what} as float16 and this {n}x{k} linear has {what} float16 "
                           f"cannot hold exactly; quantize it with kvedge.models.quant (which rounds them up to "
                           f"float16 values)")
-    return half
+    return v.half()
 
 
 def _floats_for_narrow_blocks(model: nn.Module) -> list[str]:

@@ -317,11 +317,6 @@ static inline __attribute__((always_inline)) void chunk_sums(const int bits, con
         r[j] = _mm256_hadd_epi32(_mm256_hadd_epi32(p[j][0], p[j][1]), _mm256_hadd_epi32(p[j][2], p[j][3]));
 }
 
-/* 8 per-sub-block figures of a row from sb on: float16 (p), or float32 (p32, a K-quant's) where p32 is set */
-static inline __m256 load_fig8(const uint16_t *p, const float *p32, int sb) {
-    return p32 ? _mm256_loadu_ps(p32 + sb) : load_half8(p + sb);
-}
-
 /* out[j * ROWS + i] = row n0 + i of a 4- or 8-bit linear . activation row j, for i < ROWS (rows past the
  * end repeat the last) and j < rm (1 or 2: a second activation row reuses every weight load). aff (a
  * constant, as bits and rm): an affine linear, whose mins add m * c instead of a zero point's -z * c term,
@@ -360,9 +355,10 @@ static inline __attribute__((always_inline)) void qdot_rows_w(const int bits, co
                 chunk_sums(bits, rm, q[i] + sb * sbb, xq, (size_t)sb * SB, 8, r);
             else
                 chunk_sums(bits, rm, q[i] + sb * sbb, xq, (size_t)sb * SB, nsb - sb, r);
-            __m256 w = load_fig8(sw[i], sw32[i], sb);
+            /* aff is a constant: the figures' width is chosen at compile time, not per chunk */
+            __m256 w = aff == 2 ? _mm256_loadu_ps(sw32[i] + sb) : load_half8(sw[i] + sb);
             if (aff) {
-                __m256 m = load_fig8(mr[i], mr32[i], sb);
+                __m256 m = aff == 2 ? _mm256_loadu_ps(mr32[i] + sb) : load_half8(mr[i] + sb);
                 for (int j = 0; j < rm; j++)
                     acc[i][j] = _mm256_fmadd_ps(m, cv[j], _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(r[j]),
                                                                                         sav[j]), w, acc[i][j]));
