@@ -367,17 +367,26 @@ def _ragged_prefill_then_decode(model, native, cache, g, length, lasts, steps):
         assert (got - want).abs().max() <= 1e-5 * want.abs().max()
 
 
-@pytest.mark.parametrize("case,threads,batch", [("llama-gqa4-llama3rope", 2, 1), ("llama-mqa-linearrope", 3, 2),
-                                                ("gemma", 2, 1), ("gemma2", 3, 2), ("llama-mha", 2, 2)])
-def test_long_ragged_decode_equals_torch(case, threads, batch, hf_checkpoint):
+# A build whose decode slices a KV head's slots from 8 on (SLICE_MIN 4; by default 128 slots), to test the
+# slices and their merge on the tests' short caches
+SLICED = FLAGS + ("-DSLICE_MIN=4",)
+
+
+@pytest.mark.parametrize("case,threads,batch,flags,lasts", [
+    ("llama-gqa4-llama3rope", 2, 1, FLAGS, [49]), ("llama-mqa-linearrope", 3, 2, FLAGS, [49, 33]),
+    ("gemma", 2, 1, FLAGS, [49]), ("gemma2", 3, 2, FLAGS, [49, 33]), ("llama-mha", 2, 2, FLAGS, [49, 33]),
+    ("gemma", 2, 1, SLICED, [49]), ("gemma2", 3, 2, SLICED, [49, 0]), ("llama-mha", 3, 2, SLICED, [49, 33])])
+def test_long_ragged_decode_equals_torch(case, threads, batch, flags, lasts, hf_checkpoint):
     """Decode past 32 cached positions (many 4-key blocks, a partial last one), on 2 and 3 threads, one row or
     two ragged ones: float32 logits and caches equal the PyTorch model's. GQA 4, MQA with 8 query heads (2
-    blocks of 4), MQA with 4, gemma2 (windowed and global layers, soft-capped scores), MHA."""
+    blocks of 4), MQA with 4, gemma2 (windowed and global layers, soft-capped scores), MHA. Sliced: gemma's
+    one KV head in 2 slices on 2 threads; gemma2's 4 items in 3 slices each, windows of 8 in 2, and a row
+    one token long, whose first decode steps leave a slice empty; MHA's 16 items in 3."""
     path, _ = hf_checkpoint(case)
     model = load_decoder(path, dtype="float32")
-    native = NativeBackend(path, max_batch=batch, max_seq_len=MAX_SEQ, threads=threads, model=model)
+    native = NativeBackend(path, max_batch=batch, max_seq_len=MAX_SEQ, threads=threads, model=model, flags=flags)
     cache = KVCache.allocate(model.cfg, batch, MAX_SEQ, dtype=torch.float32)
-    _ragged_prefill_then_decode(model, native, cache, torch.Generator().manual_seed(7), 50, [49, 33], 5)
+    _ragged_prefill_then_decode(model, native, cache, torch.Generator().manual_seed(7), 50, lasts, 5)
     for mine, ref in zip(native.caches[0::2] + native.caches[1::2], cache.keys + cache.values):
         torch.testing.assert_close(mine, ref, rtol=0, atol=1e-5 * float(ref.abs().max()))
 
@@ -408,14 +417,16 @@ def test_prequantized_checkpoints_run_as_they_are(case, tmp_path, monkeypatch):
         assert torch.nn.functional.cosine_similarity(got.flatten(1), want.flatten(1)).min() > 1 - 1e-3
 
 
-@pytest.mark.parametrize("case,threads,batch", [("llama-gqa4-llama3rope", 2, 1), ("gemma2", 3, 2),
-                                                ("qwen3-qknorm", 2, 2), ("llama-mqa-linearrope", 2, 2)])
-def test_int8_cache_equals_the_reference_int8_cache(case, threads, batch, hf_checkpoint):
+@pytest.mark.parametrize("case,threads,batch,flags", [
+    ("llama-gqa4-llama3rope", 2, 1, FLAGS), ("gemma2", 3, 2, FLAGS), ("qwen3-qknorm", 2, 2, FLAGS),
+    ("llama-mqa-linearrope", 2, 2, FLAGS), ("gemma2", 3, 2, SLICED)])
+def test_int8_cache_equals_the_reference_int8_cache(case, threads, batch, flags, hf_checkpoint):
     """kv_dtype="int8": the engine writes the same int8 cache bytes as the reference op
     (kvedge.models.attention: round-half-even(x * (1 / scale)), clamped) and its float32 logits equal the
     PyTorch Decoder's over an int8 cache with the same calibrated scales, through prefill of ragged rows
     (many 4-query blocks of one KV head on a thread) and decode past 32 positions; windows and softcaps in
-    gemma2, q/k norms in qwen3, MQA with 8 query heads."""
+    gemma2, q/k norms in qwen3, MQA with 8 query heads; gemma2 again with decode's slices (SLICED), each
+    dequantizing its own rows."""
     from kvedge.runtime.calibration import calibrate_kv_scales
 
     path, _ = hf_checkpoint(case)
@@ -423,7 +434,7 @@ def test_int8_cache_equals_the_reference_int8_cache(case, threads, batch, hf_che
     g = torch.Generator().manual_seed(11)
     scales = calibrate_kv_scales(model, torch.randint(3, model.cfg.vocab_size, (2, 24), generator=g), margin=1.0)
     native = NativeBackend(path, max_batch=batch, max_seq_len=MAX_SEQ, threads=threads, model=model,
-                           kv_dtype="int8", kv_scales=scales)
+                           kv_dtype="int8", kv_scales=scales, flags=flags)
     cache = KVCache.allocate(model.cfg, batch, MAX_SEQ, dtype=torch.int8, scales=scales)
     _ragged_prefill_then_decode(model, native, cache, g, 40, [39, 21], 4)  # margin 1.0: some clamp at +-127
     for mine, ref in zip(native.caches[0::2] + native.caches[1::2], cache.keys + cache.values):

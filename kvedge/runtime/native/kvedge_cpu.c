@@ -52,7 +52,9 @@ int kv_simd(void) {
 #define SB 32 /* input channels per sub-block */
 /* Weights are fetched this far ahead into L2 (prefetcht1): faster than 4 KiB ahead into L1, and far faster
  * than no software prefetch (docs/benchmarks.md). */
+#ifndef PREFETCH_BYTES
 #define PREFETCH_BYTES 16384
+#endif
 /* An asm statement on x86: GCC may delete a loop of nothing but __builtin_prefetch as dead code, and did
  * here once the stride was inlined. */
 #if defined(__x86_64__) || defined(__i386__)
@@ -785,16 +787,19 @@ static inline int first_slot(int p, int window) { return window > 0 && p - windo
 
 /* Queries i < nq over one KV head's cache, sharing every K and V load: consecutive positions of one row and
  * head (prefill), or the query heads of one KV head at one position (decode, GQA). Query i, at position
- * ps[i] (non-decreasing), sees slots [lo_i, ps[i]], lo_i = max(0, ps[i] - window + 1) (window 0: none).
- * scores: QB * max_seq. */
+ * ps[i] (non-decreasing), sees slots [lo_i, ps[i]], lo_i = max(0, ps[i] - window + 1) (window 0: none),
+ * of which this call takes those in [j0, j1] (each query must keep one). ml NULL: out is the attention
+ * output. Else a slice's share, to be merged: out unnormalized, ml[2i], ml[2i + 1] query i's largest score
+ * and its sum of e^(score - largest). scores: QB * max_seq. */
 static void attend(const kv_model *m, const float *const *q, int nq, const int *ps, int window, const float *kc,
-                   const float *vc, float *scores, float *const *out) {
-    int d = m->d, lo[QB], p[QB], hi = ps[nq - 1];
+                   const float *vc, float *scores, float *const *out, int j0, int j1, float *ml) {
+    int d = m->d, lo[QB], p[QB];
     for (int i = 0; i < QB; i++) {
         p[i] = ps[i < nq ? i : nq - 1];
         lo[i] = first_slot(p[i], window);
+        lo[i] = lo[i] > j0 ? lo[i] : j0, p[i] = p[i] < j1 ? p[i] : j1;
     }
-    int first = lo[0];
+    int first = lo[0], hi = p[QB - 1];
     float *sc[QB], mx[QB];
     for (int i = 0; i < QB; i++) sc[i] = scores + (size_t)i * m->max_seq, mx[i] = -INFINITY;
     int j = first;
@@ -843,8 +848,13 @@ static void attend(const kv_model *m, const float *const *q, int nq, const int *
     }
     for (int i = 0; i < QB; i++) {
         if (i < nq) {
-            float inv = 1.f / softmax_exp(sc[i] + lo[i], p[i] - lo[i] + 1, mx[i]);
-            for (int j = lo[i]; j <= p[i]; j++) sc[i][j] *= inv;
+            float sum = softmax_exp(sc[i] + lo[i], p[i] - lo[i] + 1, mx[i]);
+            if (ml)
+                ml[2 * i] = mx[i], ml[2 * i + 1] = sum;
+            else {
+                float inv = 1.f / sum;
+                for (int j = lo[i]; j <= p[i]; j++) sc[i][j] *= inv;
+            }
         }
         for (int j = first; j <= hi; j++) /* weight 0 outside each query's slots (and for absent queries) */
             if (i >= nq || j < lo[i] || j > p[i]) sc[i][j] = 0.f;
@@ -861,15 +871,29 @@ static void attend(const kv_model *m, const float *const *q, int nq, const int *
     }
 }
 
+/* Decode splits an item's slots in slices when the items alone would leave threads idle (3 KV heads on 2
+ * threads: one thread does two, the other one); slices are at least this many slots long */
+#ifndef SLICE_MIN
+#define SLICE_MIN 64
+#endif
+
+static int gcd(int a, int b) { return b ? gcd(b, a % b) : a; }
+
+/* slice k of `parts` near-equal slices of slots [lo, hi]: [*s0, *s1] (empty when *s1 < *s0) */
+static inline void slice(int lo, int hi, int k, int parts, int *s0, int *s1) {
+    long n = hi - lo + 1;
+    *s0 = lo + (int)(n * k / parts), *s1 = lo + (int)(n * (k + 1) / parts) - 1;
+}
+
 static size_t max3(size_t a, size_t b, size_t c) { return a > b ? (a > c ? a : c) : (b > c ? b : c); }
 
 /* kv_forward's scratch for B rows of L tokens on `threads` threads: the buffers' byte offsets in one block
  * (each 64-byte aligned; at[9] is the total). A few rows (decode, rep): every thread keeps its own copy of
  * the residual stream, norms it and quantizes each projection's input itself, so only the projections,
- * rotation, attention and activation are split: 6 barriers a layer. Many rows (prefill): every phase is
+ * rotation, attention and activation are split: 6 barriers a layer (7 when decode slices the slots). Many rows (prefill): every phase is
  * split, 10 barriers a layer. Two output buffers: qkv and up write t, o and down write t2, so with rep a
  * projection never writes a buffer another thread may still be reading for its residual. */
-enum { S_X, S_H, S_T, S_T2, S_A, S_XQ, S_SA, S_C, S_SCORES, S_DEQ, S_END };
+enum { S_X, S_H, S_T, S_T2, S_A, S_XQ, S_SA, S_C, S_SCORES, S_DEQ, S_PART, S_END };
 static void scratch_layout(const kv_model *m, int B, int L, int threads, size_t at[S_END + 1]) {
     size_t M = (size_t)B * L, H = m->hidden, kmax = max3(H, (size_t)m->hq * m->d, m->inter);
     size_t copies = M <= 4 ? threads : 1, qkv_n = (size_t)(m->hq + 2 * m->hkv) * m->d;
@@ -880,7 +904,10 @@ static void scratch_layout(const kv_model *m, int B, int L, int threads, size_t 
                            sizeof(float) * 2 * copies * M * sub_stride(kmax),
                            sizeof(float) * 2 * copies * M * sub_stride(kmax), /* two planes a row (int16) */ sizeof(float) * threads * QB * m->max_seq,
                            /* an int8 cache's dequantized K and V rows, per thread */
-                           m->layers[0].k_scale ? sizeof(float) * threads * 2 * m->max_seq * m->d : 0};
+                           m->layers[0].k_scale ? sizeof(float) * threads * 2 * m->max_seq * m->d : 0,
+                           /* decode's slices: per item and slice, QB queries' largest score, sum and output */
+                           L == 1 ? sizeof(float) * B * m->hkv * ((m->hq / m->hkv + QB - 1) / QB) * threads * QB * (m->d + 2)
+                                  : 0};
     at[0] = 0;
     for (int i = 0; i < S_END; i++) at[i + 1] = (at[i] + bytes[i] + 63) & ~(size_t)63;
 }
@@ -907,6 +934,7 @@ void kv_forward(const kv_model *m, int B, int L, const int64_t *ids, const int64
     float *x = (float *)(base + at[S_X]), *h = (float *)(base + at[S_H]), *t = (float *)(base + at[S_T]);
     float *t2 = (float *)(base + at[S_T2]), *a = (float *)(base + at[S_A]), *sa = (float *)(base + at[S_SA]);
     float *c = (float *)(base + at[S_C]), *scores = (float *)(base + at[S_SCORES]), *deq = (float *)(base + at[S_DEQ]);
+    float *part = (float *)(base + at[S_PART]);
     int8_t *xq = (int8_t *)(base + at[S_XQ]);
 #pragma omp parallel num_threads(threads)
     {
@@ -928,11 +956,25 @@ void kv_forward(const kv_model *m, int B, int L, const int64_t *ids, const int64
             /* attention's work items (below): prefill, blocks of QB consecutive queries of one head; decode
              * (L = 1), the query heads of one KV head in groups of QB, so each K/V row is read once for them */
             int per = L > 1 ? (L + QB - 1) / QB : (g + QB - 1) / QB, heads = L > 1 ? hq : hkv;
-            kv_fetch more = {0}; /* decode: the cache rows this thread's items will read (item i: thread i % nt) */
+            /* decode: `parts` slices an item (unit u: item u / parts, slice u % parts), so that the units split
+             * evenly between the threads, when rows are long enough */
+            int items = B * heads * per, nt = omp_get_num_threads(), parts = 1, longest = 0;
+            for (int b = 0; L == 1 && b < B; b++) {
+                int n = (int)pos[b] - first_slot((int)pos[b], ly->window) + 1;
+                longest = n > longest ? n : longest;
+            }
+            if (longest >= 2 * SLICE_MIN) {
+                parts = nt / gcd(items, nt);
+                parts = parts < longest / SLICE_MIN ? parts : longest / SLICE_MIN;
+            }
+            kv_fetch more = {0}; /* decode: the cache rows this thread's units will read (unit u: thread u % nt) */
             size_t esize = ly->k_scale ? 1 : sizeof(float); /* a cache element's bytes */
-            for (int it = tid, nt = omp_get_num_threads(); L == 1 && it < B * heads * per; it += nt) {
-                int b = it / (heads * per), kh = it / per % heads, p = (int)pos[b], lo = first_slot(p, ly->window);
-                size_t at = esize * (((size_t)b * hkv + kh) * m->max_seq + lo) * d, bytes = esize * (size_t)(p - lo) * d;
+            for (int u = tid; L == 1 && u < items * parts; u += nt) {
+                int it = u / parts, b = it / (heads * per), kh = it / per % heads, p = (int)pos[b], lo, hi;
+                slice(first_slot(p, ly->window), p, u % parts, parts, &lo, &hi);
+                hi = hi < p - 1 ? hi : p - 1; /* slot p is written this step */
+                if (hi < lo) continue;
+                size_t at = esize * (((size_t)b * hkv + kh) * m->max_seq + lo) * d, bytes = esize * (size_t)(hi - lo + 1) * d;
                 const char *kp = (const char *)ly->k_cache + at, *vp = (const char *)ly->v_cache + at;
                 if (more.count && more.p[more.count - 2] == kp) continue; /* a KV head's next block of queries */
                 fetch_add(&more, kp, bytes), fetch_add(&more, vp, bytes);
@@ -970,29 +1012,60 @@ void kv_forward(const kv_model *m, int B, int L, const int64_t *ids, const int64
                         }
                     }
                 }
-#pragma omp for schedule(static, 1) collapse(3)
-            for (int b = 0; b < B; b++)
-                for (int hh = 0; hh < heads; hh++)
-                    for (int blk = 0; blk < per; blk++) {
-                        int nq = L > 1 ? (L - blk * QB < QB ? L - blk * QB : QB) : (g - blk * QB < QB ? g - blk * QB : QB);
-                        const float *qp[QB];
-                        float *outs[QB];
-                        int ps[QB], kh = L > 1 ? hh / g : hh;
-                        for (int i = 0; i < QB; i++) {
-                            int ii = i < nq ? i : 0;
-                            int r = L > 1 ? b * L + blk * QB + ii : b, head = L > 1 ? hh : hh * g + blk * QB + ii;
-                            qp[i] = t + (size_t)r * qkv_n + (size_t)head * d;
-                            outs[i] = a + (size_t)r * hq * d + (size_t)head * d;
-                            ps[i] = (int)pos[r];
-                        }
-                        size_t base = ((size_t)b * hkv + kh) * m->max_seq * d;
-                        const float *kc = (const float *)ly->k_cache + base, *vc = (const float *)ly->v_cache + base;
-                        if (ly->k_scale) { /* int8: the rows these queries see, dequantized */
-                            deq_need(m, ly, b, kh, first_slot(ps[0], ly->window), ps[nq - 1], &dq);
-                            kc = dq.k, vc = dq.v;
-                        }
-                        attend(m, qp, nq, ps, ly->window, kc, vc, sc, outs);
+#pragma omp for schedule(static, 1)
+            for (int u = 0; u < items * parts; u++) {
+                int it = u / parts, b = it / (heads * per), hh = it / per % heads, blk = it % per;
+                int nq = L > 1 ? (L - blk * QB < QB ? L - blk * QB : QB) : (g - blk * QB < QB ? g - blk * QB : QB);
+                const float *qp[QB];
+                float *outs[QB], *ml = NULL;
+                int ps[QB], kh = L > 1 ? hh / g : hh, j0 = 0, j1 = m->max_seq;
+                for (int i = 0; i < QB; i++) {
+                    int ii = i < nq ? i : 0;
+                    int r = L > 1 ? b * L + blk * QB + ii : b, head = L > 1 ? hh : hh * g + blk * QB + ii;
+                    qp[i] = t + (size_t)r * qkv_n + (size_t)head * d;
+                    outs[i] = a + (size_t)r * hq * d + (size_t)head * d;
+                    ps[i] = (int)pos[r];
+                }
+                if (parts > 1) { /* decode: this slice's share, into the unit's place for the merge below */
+                    slice(first_slot(ps[0], ly->window), ps[0], u % parts, parts, &j0, &j1);
+                    ml = part + (size_t)u * QB * (d + 2);
+                    for (int i = 0; i < QB; i++) outs[i] = ml + 2 * QB + (size_t)i * d;
+                    if (j1 < j0) { /* a short row's empty slice */
+                        for (int i = 0; i < QB; i++) ml[2 * i + 1] = 0.f;
+                        continue;
                     }
+                }
+                size_t base = ((size_t)b * hkv + kh) * m->max_seq * d;
+                const float *kc = (const float *)ly->k_cache + base, *vc = (const float *)ly->v_cache + base;
+                if (ly->k_scale) { /* int8: the rows these queries see, dequantized */
+                    int lo = first_slot(ps[0], ly->window), hi = ps[nq - 1];
+                    deq_need(m, ly, b, kh, lo > j0 ? lo : j0, hi < j1 ? hi : j1, &dq);
+                    kc = dq.k, vc = dq.v;
+                }
+                attend(m, qp, nq, ps, ly->window, kc, vc, sc, outs, j0, j1, ml);
+            }
+            if (parts > 1) { /* each query's slices merged: shares weighted e^(their largest - the largest) */
+#pragma omp for schedule(static)
+                for (int x = 0; x < items * QB; x++) {
+                    int it = x / QB, i = x % QB, b = it / (heads * per), hh = it / per % heads, blk = it % per;
+                    if (blk * QB + i >= g) continue; /* an absent query of the last block */
+                    float *o = a + (size_t)b * hq * d + (size_t)(hh * g + blk * QB + i) * d, mx = -INFINITY, sum = 0.f;
+                    for (int k = 0; k < parts; k++) {
+                        const float *mk = part + (size_t)(it * parts + k) * QB * (d + 2);
+                        if (mk[2 * i + 1] > 0.f && mk[2 * i] > mx) mx = mk[2 * i];
+                    }
+                    for (int e = 0; e < d; e++) o[e] = 0.f;
+                    for (int k = 0; k < parts; k++) {
+                        const float *mk = part + (size_t)(it * parts + k) * QB * (d + 2), *ok = mk + 2 * QB + (size_t)i * d;
+                        if (!(mk[2 * i + 1] > 0.f)) continue; /* empty */
+                        float w = expf(mk[2 * i] - mx);
+                        sum += w * mk[2 * i + 1];
+#pragma omp simd
+                        for (int e = 0; e < d; e++) o[e] += w * ok[e];
+                    }
+                    for (int e = 0; e < d; e++) o[e] /= sum;
+                }
+            }
             linear_rows(&ly->o, M, a, t2, qs8, sas, cs, rep, &ly->up, NULL);
             for (int r = r0; r < r1; r++) { /* x += o (post-normed into h first: t2 stays read-only here) */
                 const float *o = t2 + (size_t)r * H;
