@@ -2,6 +2,8 @@
 
     python benchmarks/decode_vs_peers.py [--genai-python PATH] [--lowerings decomposed,onnx,ort]
     python benchmarks/decode_vs_peers.py --genai-python PATH --quantize int4|int8   (adds the native backend)
+    python benchmarks/decode_vs_peers.py --llamacpp-python PY [--gguf FILE]   (llama.cpp on a real GGUF file:
+                                                                  benchmarks/gguf_vs_llamacpp.py)
 
 Model: SmolLM2-135M's shape with random weights, fp32, batch 1, prompt 128, generate 128 (greedy,
 EOS ignored), 2 threads. Peers, each measured here, now, on the same checkpoint:
@@ -190,7 +192,21 @@ def main() -> None:
                    "(GenAI's builder uses 4: int8 activations)")
     p.add_argument("--no-native", action="store_true", help="with --quantize, leave out kvedge's native backend "
                    "(its C engine, symmetric groups of 32 and a quantized lm_head, as the ort export here)")
+    p.add_argument("--llamacpp-python", help="a Python with llama-cpp-python installed: measure llama.cpp against "
+                   "kvedge's runtimes on one real GGUF file instead (benchmarks/gguf_vs_llamacpp.py, with --gguf, "
+                   "--repeat, --threads, --prompt and --gen passed on)")
+    p.add_argument("--gguf", default=str(Path(__file__).resolve().parents[1] / ".cache/models/"
+                                         "SmolLM2-135M-Instruct.Q4_1.gguf"),
+                   help="the GGUF file for --llamacpp-python (default: the demo's SmolLM2, `make model`)")
     a = p.parse_args()
+    if a.llamacpp_python:  # same file, same threads, interleaved fresh processes: that script's protocol
+        sys.path.insert(0, str(Path(__file__).parent))
+        import gguf_vs_llamacpp
+
+        sys.argv = [gguf_vs_llamacpp.__file__, "--gguf", a.gguf, "--llamacpp-python", a.llamacpp_python,
+                    "--repeat", str(a.repeat), "--threads", str(a.threads), "--prompt", str(a.prompt),
+                    "--gen", str(a.gen)]
+        raise SystemExit(gguf_vs_llamacpp.main())
     torch.set_num_threads(a.threads)
 
     from kvedge.export import ExportOptions, export

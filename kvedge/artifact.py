@@ -7,7 +7,8 @@ Every lowering's graph has the same inputs and outputs:
     logits_index    [batch]                                    int64  which chunk position's logits to return
     past_key.{i}    [batch, kv_heads, max_seq_len, head_dim]   cache dtype   (one pair per layer; int8: the
                                                                graph holds the scales, sidecar "cache")
-    past_value.{i}  [batch, kv_heads, max_seq_len, head_dim]
+    past_value.{i}  [batch, kv_heads, max_seq_len, head_dim]   (MLA: past_key [batch, 1, max_seq_len, d_R], the
+                                                               decoupled RoPE key; past_value [.., d_c], the latent)
   ->
     logits          [batch, 1, vocab]                          float32 or the model dtype
     present_key.{i} [batch, kv_heads, max_seq_len, head_dim]   the updated cache: bind it to past's buffer
@@ -41,6 +42,9 @@ TOKEN_INPUTS = ("input_ids", "position_ids", "logits_index")  # every graph's fi
 # inputs and attributes) is the `schema` attribute, which the registered plugin checks.
 PLUGIN_NAMESPACE, PLUGIN_OP, PLUGIN_VERSION, PLUGIN_SCHEMA = "kvedge", "gqa_attention", "1", 2
 PLUGIN_ID = f"{PLUGIN_NAMESPACE}::{PLUGIN_OP}"
+LAYOUT = {False: "[batch, kv_heads, max_seq_len, head_dim]",  # the sidecar's cache layout, by ModelConfig.mla
+          True: "MLA: past_key [batch, 1, max_seq_len, d_R] holds k_rope (after RoPE), past_value [batch, 1, "
+                "max_seq_len, d_c] the latent c_kv (after kv_a_layernorm), shared by all heads"}
 
 
 def cache_pairs(num_layers: int) -> list[tuple[str, str]]:
@@ -64,16 +68,16 @@ def logits_dtype(dtype: str) -> str:
 def io_spec(cfg: ModelConfig, dtype: str, max_seq_len: int, kv_dtype: str | None = None) -> tuple[list, list]:
     """(inputs, outputs) as [{"name", "dtype", "shape"}], dynamic axes named 'batch' and 'seq'. The cache has
     the model's dtype, or kv_dtype "int8"."""
-    cache = {"dtype": "int8" if kv_dtype == "int8" else graph_name(dtype),
-             "shape": ["batch", cfg.num_kv_heads, max_seq_len, cfg.head_dim]}
+    cache_dtype = "int8" if kv_dtype == "int8" else graph_name(dtype)
     pairs = cache_pairs(cfg.num_layers)
+    shapes = [["batch", *shape[1:]] for shape in cfg.cache_shapes(1, max_seq_len)] * cfg.num_layers  # k0, v0, k1, ..
     inputs = [
         {"name": "input_ids", "dtype": "int64", "shape": ["batch", "seq"]},
         {"name": "position_ids", "dtype": "int64", "shape": ["batch", "seq"]},
         {"name": "logits_index", "dtype": "int64", "shape": ["batch"]},
-    ] + [{"name": past, **cache} for past, _ in pairs]
+    ] + [{"name": past, "dtype": cache_dtype, "shape": shape} for (past, _), shape in zip(pairs, shapes)]
     outputs = [{"name": "logits", "dtype": logits_dtype(dtype), "shape": ["batch", 1, cfg.vocab_size]}] + [
-        {"name": present, **cache} for _, present in pairs]
+        {"name": present, "dtype": cache_dtype, "shape": shape} for (_, present), shape in zip(pairs, shapes)]
     return inputs, outputs
 
 
@@ -120,13 +124,18 @@ class Sidecar:
     def cache_pairs(self) -> list[tuple[str, str]]:
         return cache_pairs(self.model.num_layers)
 
+    def cache_shapes(self, batch: int) -> list[tuple[int, ...]]:
+        """The shape of each cache tensor for `batch` rows, in cache_pairs order, as the graph's inputs declare."""
+        n = len(TOKEN_INPUTS)
+        return [(batch, *spec["shape"][1:]) for spec in self.inputs[n:n + len(self.cache_pairs)]]
+
     def to_json(self) -> dict[str, Any]:
         return {
             "format": self.format, "kvedge_version": self.kvedge_version, "lowering": self.lowering,
             "dtype": self.dtype, "opset": self.opset, "max_seq_len": self.max_seq_len,
             "max_batch": self.max_batch, "onnx_file": self.onnx_file, "external_data": self.external_data,
-            "cache": {"layout": "[batch, kv_heads, max_seq_len, head_dim]", "present_aliases_past": True,
-                      **self.cache},
+            "cache": {"layout": LAYOUT[self.model.mla], "present_aliases_past": True,
+                      "elements_per_token": self.model.cache_elements_per_token, **self.cache},
             "inputs": self.inputs, "outputs": self.outputs, "plugins": self.plugins, "requires": self.requires,
             "verification": self.verification, "model": self.model.to_dict(), **self.extra,
         }
@@ -166,7 +175,8 @@ class Sidecar:
                    kvedge_version=d["kvedge_version"], format=d["format"], plugins=list(d.get("plugins", [])),
                    requires=dict(d.get("requires", {})),
                    extra={k: v for k, v in d.items() if k not in known},
-                   cache={k: v for k, v in d.get("cache", {}).items() if k not in ("layout", "present_aliases_past")})
+                   cache={k: v for k, v in d.get("cache", {}).items()
+                          if k not in ("layout", "present_aliases_past", "elements_per_token")})
 
 
 def older(version: str, than: str) -> bool:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -28,10 +29,10 @@ def cmd_make_demo(args) -> int:
 
 
 def cmd_info(args) -> int:
-    from kvedge.models import kv_bytes_per_token, load_config
+    from kvedge.models import cache_bytes_per_token, load_config
 
     cfg = load_config(args.model)
-    per_token = kv_bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, args.kv_dtype)
+    per_token = cache_bytes_per_token(cfg, args.kv_dtype)  # MLA: the latent and the RoPE key, (d_c + d_R) a layer
     info = {
         "arch": cfg.arch, "layers": cfg.num_layers, "hidden": cfg.hidden_size, "q_heads": cfg.num_heads,
         "kv_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim, "attention": cfg.attention_kind,
@@ -40,6 +41,9 @@ def cmd_info(args) -> int:
         "kv_bytes_at_max_positions": per_token * cfg.max_position_embeddings,
         "max_position_embeddings": cfg.max_position_embeddings,
     }
+    if cfg.mla:
+        info.update(kv_lora_rank=cfg.kv_lora_rank, qk_rope_head_dim=cfg.head_dim, q_lora_rank=cfg.q_lora_rank or None,
+                    mla_elements_per_layer=cfg.kv_lora_rank + cfg.head_dim)
     if args.json:
         print(json.dumps(info, indent=2))
     else:
@@ -160,6 +164,24 @@ def cmd_generate(args) -> int:
         _say(args, f"[{stats['backend']}] {stats['prompt_tokens']} prompt tokens, prefill {stats['prefill_ms']} ms; "
                    f"{stats['generated_tokens']} tokens at {stats['decode_tokens_per_s']} tokens/s "
                    f"({stats['finish_reason']})")
+    return 0
+
+
+def cmd_serve(args) -> int:
+    from kvedge.runtime import load
+    from kvedge.serve import build_app, run
+
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
+        print(f"kvedge serve: warning: listening on {args.host} without --api-key: anyone who can reach it can "
+              f"use it", file=sys.stderr)
+    session = load(args.path, args.backend, threads=args.threads, max_seq_len=args.max_seq_len,
+                   max_batch=args.max_batch, quantize=None if args.quantize == "none" else args.quantize,
+                   activations=args.activations)
+    name = args.model_name or Path(args.path).name.removesuffix(".gguf")
+    app = build_app(session, name, api_key=args.api_key, max_queue=args.max_queue, prefill_chunk=args.prefill_chunk)
+    _say(args, f"kvedge serve: {name!r} on {session.backend.name}, {session.backend.max_batch} rows of "
+               f"{session.max_seq_len} tokens, at http://{args.host}:{args.port}/v1")
+    run(app, args.host, args.port, log_level="warning" if args.quiet else "info")
     return 0
 
 
@@ -358,7 +380,7 @@ def cmd_plan(args) -> int:
             "total_bytes": p.total_bytes, "usable_bytes": p.usable_bytes, "fits": p.fits,
             "max_context_at_batch": p.max_context, "memory_max_context_at_batch": p.memory_max_context,
             "max_batch_at_seq_len": p.max_batch,
-            "kv_bytes_per_token_by_attention": p.kv_by_attention}
+            "kv_bytes_per_token_by_attention": p.kv_by_attention, "gqa_equivalent_kv_heads": p.gqa_kv_heads}
     if args.device:
         d = DEVICES[args.device]
         info["device"] = f"{d.note}; {d.memory_gb} GiB, reserve {d.reserve_gb} GiB assumed"
@@ -383,6 +405,7 @@ def cmd_plan(args) -> int:
     print("  KV cache per token if the same model used:")
     for k, v in p.kv_by_attention.items():
         print(f"    {k:<48} {v / 1024:10.1f} KiB")
+    print(f"  this model's cache is a GQA cache of {p.gqa_kv_heads:g} KV heads of head_dim {cfg.out_head_dim}")
     return 0 if p.fits in (None, True) else 1
 
 
@@ -425,6 +448,11 @@ def cmd_doctor(args) -> int:
     return 0
 
 
+def _backend_arg(s: argparse.ArgumentParser, backends, otherwise: str = "torch for a checkpoint") -> None:
+    s.add_argument("--backend", default="auto", choices=("auto", *backends),
+                   help=f"auto (default): onnxruntime for an export folder, {otherwise}")
+
+
 def _activations_arg(s: argparse.ArgumentParser) -> None:
     s.add_argument("--activations", choices=("int8", "int16"), default="int8",
                    help="native backend: a quantized projection's input, int8 per 32 channels (default, as llama.cpp; "
@@ -460,8 +488,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("path", help="export folder (kvedge.json) or Hugging Face checkpoint folder")
     s.add_argument("--prompt", help="prompt text")
     s.add_argument("--ids", help="prompt as comma-separated token ids instead of text")
-    s.add_argument("--backend", default="auto", choices=("auto", *BACKENDS),
-                   help="auto (default): onnxruntime for an export folder, torch for a checkpoint")
+    _backend_arg(s, BACKENDS)
     s.add_argument("--quantize", choices=("int4", "int8", "none"), default="int4",
                    help="native backend: the checkpoint's projections and lm_head, rounded per group of 32 "
                         "(symmetric) as `kvedge export --quantize ... --symmetric --quantize-lm-head`; a pre-quantized "
@@ -485,6 +512,34 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true", help="print the result as JSON at the end instead of streaming")
     s.add_argument("--quiet", action="store_true")
     s.set_defaults(fn=cmd_generate)
+
+    s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (chat and completions, streamed or not) "
+                       "with continuous batching", description="POST /v1/chat/completions and /v1/completions, GET "
+                       "/v1/models, /health and /metrics (Prometheus). Requests share the backend's cache rows: a new "
+                       "one takes a free row at the next step and its prompt is prefilled in chunks while the others "
+                       "keep decoding; past --max-queue waiting requests the server answers 429. Needs "
+                       "pip install 'kvedge[serve]'. See docs/serve.md.")
+    s.add_argument("path", help="export folder (kvedge.json), Hugging Face checkpoint folder or .gguf file")
+    _backend_arg(s, BACKENDS)
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
+    s.add_argument("--port", type=int, default=8000, help="default 8000")
+    s.add_argument("--max-batch", type=int, default=4, help="cache rows: requests generating at once (default 4)")
+    s.add_argument("--max-queue", type=int, default=16,
+                   help="requests that may wait for a row; past that the server answers 429 (default 16)")
+    s.add_argument("--max-seq-len", type=int, default=2048,
+                   help="torch and native backends: tokens per row, prompt + completion (an export's is fixed)")
+    s.add_argument("--prefill-chunk", type=int, default=64,
+                   help="prompt tokens prefilled per step while other rows decode (default 64)")
+    s.add_argument("--api-key", default=os.environ.get("KVEDGE_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on every route but /health (default: $KVEDGE_API_KEY; "
+                        "none: no key asked)")
+    s.add_argument("--model-name", help="the model's id in the API (default: the path's name)")
+    s.add_argument("--quantize", choices=("int4", "int8", "none"), default="int4",
+                   help="native backend: the checkpoint's weights (default int4; a GGUF file's are kept)")
+    s.add_argument("--threads", type=int, default=0)
+    _activations_arg(s)
+    s.add_argument("--quiet", action="store_true", help="no startup line and no access log")
+    s.set_defaults(fn=cmd_serve)
 
     s = sub.add_parser("export", help="export a checkpoint to ONNX (KV cache as inputs/outputs) and verify it",
                        description="Writes OUT/model.onnx, the tokenizer files and OUT/kvedge.json (last). "
@@ -572,8 +627,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "torch backend; a checkpoint or GGUF file on another backend is compared with "
                                    "itself on torch.")
     s.add_argument("path", help="export folder, checkpoint folder or .gguf file")
-    s.add_argument("--backend", default="auto", choices=("auto", *BACKENDS),
-                   help="auto (default): onnxruntime for an export folder, torch otherwise")
+    _backend_arg(s, BACKENDS, "torch otherwise")
     s.add_argument("--text", metavar="FILE", help="UTF-8 text (default: kvedge's built-in held-out English text, "
                    "disjoint from the calibration text)")
     s.add_argument("--tokens", type=int, default=2048, help="at most this many tokens of it (default 2048)")

@@ -41,6 +41,13 @@ ARCH_CASES: dict[str, tuple[str, dict]] = {
     "phi3-partialrope": ("phi3", dict(num_key_value_heads=4, sliding_window=10,
                                       rope_parameters=dict(rope_type="default", rope_theta=10000.0,
                                                            partial_rotary_factor=0.5))),
+    # Phi-3.5 / Phi-4-mini's longrope: per-frequency short and long factors, cos/sin times sqrt(1 + ln 4 / ln 16);
+    # the parity tests' 16-token prompt stays on the short set and their decode steps cross onto the long one
+    "phi3-longrope": ("phi3", dict(num_attention_heads=4, max_position_embeddings=64,
+                                   original_max_position_embeddings=16,
+                                   rope_parameters=dict(rope_type="longrope", rope_theta=10000.0,
+                                                        short_factor=[1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.0, 4.0],
+                                                        long_factor=[1.5, 2.0, 3.0, 5.0, 8.0, 12.0, 16.0, 24.0]))),
     "granite-multipliers": ("granite", dict(embedding_multiplier=3.0, residual_multiplier=0.5,
                                             attention_multiplier=0.2, logits_scaling=4.0)),
     # norms after each sublayer only, q/k norms over the whole projection
@@ -56,7 +63,19 @@ ARCH_CASES: dict[str, tuple[str, dict]] = {
                                                                                      rope_theta=10000.0)})),
     "gpt2": ("gpt2", dict(n_embd=64, n_layer=2, n_head=4, vocab_size=160, n_positions=128,
                           initializer_range=0.1, bos_token_id=1, eos_token_id=2)),
+    # multi-head latent attention, dense layers (first_k_dense_replace = layers: no routed experts). deepseek_v2: the
+    # seeds' shape (d_c = kv_lora_rank = 4 x 16, d_R = qk_rope_head_dim = 16 / 2), a query rank, interleaved RoPE
+    "deepseek_v2-mla": ("deepseek_v2", dict(num_key_value_heads=8, first_k_dense_replace=2, q_lora_rank=32,
+                                            kv_lora_rank=64, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)),
+    # no query rank (one q projection), rope_interleave, values wider than the keys' non-RoPE part
+    "deepseek_v3-mla-noqlora": ("deepseek_v3", dict(num_key_value_heads=8, first_k_dense_replace=2, q_lora_rank=None,
+                                                    kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+                                                    v_head_dim=24)),
+    # half-split RoPE, scaled embeddings, residual branches and logits, v_head_dim = hidden / heads by default
+    "minicpm3-mla": ("minicpm3", dict(num_key_value_heads=8, q_lora_rank=24, kv_lora_rank=48, qk_nope_head_dim=8,
+                                      qk_rope_head_dim=4, scale_emb=3.0, scale_depth=1.4, dim_model_base=16)),
 }
+MLA_CASES = [c for c, (model_type, _) in ARCH_CASES.items() if model_type in ("deepseek_v2", "deepseek_v3", "minicpm3")]
 
 # Export matrices are the slow ones (one export per case and lowering). These cases' quirks live in the model and
 # the config reader, not in any lowering's graph, and each passed every lowering when added; to keep CI time, the
@@ -65,10 +84,17 @@ ARCH_CASES: dict[str, tuple[str, dict]] = {
 # generation matrix (tests/runtime/test_generation.py) leaves them out. HF parity and the native engine run them
 # all. The matrix's refusal check (test_the_lowerings_refuse_exactly_the_expected_pairs) still covers every pair.
 EXPORT_SUBSET: dict[str, tuple[str, ...]] = {
+    "phi3-longrope": ("ort",),  # the table switch is a Where in the graph, ahead of any lowering; ort rotates in GQA
     "granite-multipliers": ("decomposed",),
     "olmo2-postnorm": ("ort",),
     "smollm3-nope": ("onnx",),
     "gemma3-localrope": ("ort",),
+    # MLA's attention is in the graph, the same in the three cases (their differences are in the loader and the
+    # config reader): together both lowerings that express it, with and without a query rank; ort refuses it
+    # (test_export_parity's REFUSED). tests/models/test_mla.py runs ragged batches and the cache contract on these.
+    "deepseek_v2-mla": ("onnx",),
+    "deepseek_v3-mla-noqlora": ("decomposed",),
+    "minicpm3-mla": ("decomposed",),
 }
 
 

@@ -2,9 +2,13 @@
 
 `write_gguf` reads a Hugging Face checkpoint folder (config.json + model.safetensors, as conftest's
 save_hf_model writes it) and follows the converter: its metadata keys per architecture (TextModel's, plus
-LlamaModel's, GemmaModel's, Gemma2Model's, Phi3MiniModel's own), its tensor names (gguf's own TensorNameMap),
-LlamaModel's Q/K row permutation, Gemma's `norm.weight + 1`, no lm_head where the model ties it (and never for
-gemma), Llama 3 rope scaling as a `rope_freqs` tensor, 1-D tensors in F32.
+LlamaModel's, GemmaModel's, Gemma2Model's, Gemma3Model's, GraniteModel's, Phi3MiniModel's own; SmolLM3Model and
+Olmo2Model (without a window) add none), its tensor names (gguf's own TensorNameMap), the Q/K row permutation
+of LlamaModel and its subclasses (granite, smollm3), Gemma's `norm.weight + 1`, no lm_head where the model ties
+it (and never for gemma), Llama 3 rope scaling as a `rope_freqs` tensor, phi3's LongRoPE as rope_factors_short
+/ rope_factors_long tensors and an attn factor, 1-D tensors in F32. Where the converter's classes moved to
+ggml-org/llama.cpp's conversion/ package (base.py TextModel, llama.py, gemma.py, granite.py, olmo.py, phi.py),
+this follows those.
 
 Weight types: F32, F16 as numpy writes them; BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 quantized with
 gguf.quants.quantize; the K-quants (Q4_K, Q5_K, Q6_K), which gguf-py cannot quantize, are random blocks
@@ -25,7 +29,10 @@ from typing import Callable
 import numpy as np
 
 GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma": "gemma",
-             "gemma2": "gemma2", "phi3": "phi3"}
+             "gemma2": "gemma2", "gemma3_text": "gemma3", "phi3": "phi3", "olmo2": "olmo2", "granite": "granite",
+             "smollm3": "smollm3"}
+PERMUTED_QK = ("llama", "granite", "smollm3")  # LlamaModel and its subclasses with undo_permute
+NORM_PLUS_ONE = ("gemma", "gemma2", "gemma3")
 K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")
 QUANTIZED_BY_GGUF = ("BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
 _FILE_TYPES = {"F32": "ALL_F32", "F16": "MOSTLY_F16", "BF16": "MOSTLY_BF16", "Q8_0": "MOSTLY_Q8_0",
@@ -73,6 +80,8 @@ def _rope_params(hp: dict) -> dict:
 
 def _metadata(w, arch: str, hp: dict) -> None:
     rp = _rope_params(hp)
+    local_theta = rp.get("sliding_attention", {}).get("rope_theta")
+    rp = rp.get("full_attention", rp)  # per layer type (gemma3): the global layers' parameters
     theta = rp.get("rope_theta", hp.get("rope_theta"))
     heads, hidden = hp["num_attention_heads"], hp["hidden_size"]
     kv = hp.get("num_key_value_heads")
@@ -107,6 +116,8 @@ def _metadata(w, arch: str, hp: dict) -> None:
         return
     import gguf
 
+    if arch == "granite":  # GraniteModel.set_gguf_parameters: "Ignoring head_dim ... for Granite"
+        hp = {k: v for k, v in hp.items() if k != "head_dim"}
     # TextModel.set_gguf_parameters
     w.add_block_count(hp["num_hidden_layers"])
     w.add_context_length(hp["max_position_embeddings"])
@@ -120,14 +131,27 @@ def _metadata(w, arch: str, hp: dict) -> None:
         w.add_rope_scaling_factor(rp["factor"])
     if theta is not None:
         w.add_rope_freq_base(theta)
+    if local_theta is not None:
+        w.add_rope_freq_base_swa(local_theta)
     w.add_layer_norm_rms_eps(hp["rms_norm_eps"])
     if hp.get("head_dim") is not None:
         w.add_key_length(hp["head_dim"])
         w.add_value_length(hp["head_dim"])
-    if arch == "llama":  # LlamaModel.set_gguf_parameters
+    if arch in PERMUTED_QK:  # LlamaModel.set_gguf_parameters
         w.add_vocab_size(hp["vocab_size"])
         w.add_rope_dimension_count(hp.get("head_dim") or hidden // heads)
         if hp["model_type"] == "mistral" and hp.get("sliding_window"):
+            w.add_sliding_window(hp["sliding_window"])
+    if arch == "granite":  # GraniteModel.set_gguf_parameters: the multipliers as *_scale keys, where truthy
+        for hf_key, add in (("attention_multiplier", w.add_attention_scale), ("embedding_multiplier",
+                            w.add_embedding_scale), ("residual_multiplier", w.add_residual_scale),
+                            ("logits_scaling", w.add_logit_scale)):
+            if hp.get(hf_key):
+                add(hp[hf_key])
+    if arch == "gemma3":  # Gemma3Model.set_gguf_parameters (its other keys repeat TextModel's values)
+        if hp.get("final_logit_softcapping"):
+            w.add_final_logit_softcapping(hp["final_logit_softcapping"])
+        if hp.get("sliding_window_pattern") != 1:
             w.add_sliding_window(hp["sliding_window"])
 
 
@@ -152,6 +176,19 @@ def _llama3_rope_freqs(hp: dict) -> np.ndarray:
             smooth = (old / wavelen - low) / (high - low)
             out.append(1 / ((1 - smooth) / factor + smooth))
     return np.array(out, dtype=np.float32)
+
+
+def _phi3_longrope(w, hp: dict, drop: tuple[str, ...]) -> None:
+    """Phi3MiniModel.generate_extra_tensors: the attn factor sqrt(1 + ln s / ln original) (s = context / original
+    context, 1 where s <= 1) and the long / short factors as F32 tensors."""
+    rp = _rope_params(hp)
+    length = hp["max_position_embeddings"]
+    original = rp.get("original_max_position_embeddings", hp.get("original_max_position_embeddings"))
+    scale = length / original
+    w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1.0 else 1.0)
+    for which in ("long", "short"):
+        if f"rope_factors_{which}.weight" not in drop:
+            w.add_tensor(f"rope_factors_{which}.weight", np.array(rp[f"{which}_factor"], dtype=np.float32))
 
 
 def random_kquant_blocks(kind: str, n_blocks: int, rng: np.random.Generator, amp: float = 0.15) -> np.ndarray:
@@ -248,12 +285,12 @@ def write_gguf(path: str | Path, hf_dir: str | Path, qtype: str = "F32", *, type
         if hf_name == "lm_head.weight" and tied:
             continue
         data = data.astype(np.float32)
-        if gguf_arch == "llama":
+        if gguf_arch in PERMUTED_QK:
             if hf_name.endswith(("q_proj.weight", "q_proj.bias")):
                 data = llama_permute(data, heads, heads)
             if hf_name.endswith(("k_proj.weight", "k_proj.bias")):
                 data = llama_permute(data, heads, kv)
-        if gguf_arch in ("gemma", "gemma2") and hf_name.endswith("norm.weight"):
+        if gguf_arch in NORM_PLUS_ONE and hf_name.endswith("norm.weight"):
             data = data + 1
         base, _, suffix = hf_name.rpartition(".")
         name = f"{names.get_name(base)}.{suffix}"
@@ -265,6 +302,8 @@ def write_gguf(path: str | Path, hf_dir: str | Path, qtype: str = "F32", *, type
         w.add_tensor(name, array, raw_dtype=raw)
     if gguf_arch == "llama" and _rope_params(hp).get("rope_type") == "llama3":
         w.add_tensor("rope_freqs.weight", _llama3_rope_freqs(hp))
+    if gguf_arch == "phi3" and _rope_params(hp).get("long_factor"):
+        _phi3_longrope(w, hp, drop)
 
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -300,8 +339,9 @@ def transformers_reference(gguf_path: str | Path, hf_config):
 
 
 def gguf_state_dict(gguf_path: str | Path, hf_dir: str | Path) -> dict:
-    """The checkpoint's state dict as the test reads the GGUF file itself (for gemma, which transformers' GGUF
-    reader refuses): gguf.quants.dequantize, gguf's TensorNameMap, the inverse Q/K permutation, gemma's - 1."""
+    """The checkpoint's state dict as the test reads the GGUF file itself (for the architectures transformers' GGUF
+    reader does not read: gemma, olmo2, granite, smollm3): gguf.quants.dequantize, gguf's TensorNameMap, the
+    inverse Q/K permutation, gemma's - 1."""
     import gguf
     import torch
     from safetensors.numpy import load_file
@@ -322,11 +362,11 @@ def gguf_state_dict(gguf_path: str | Path, hf_dir: str | Path) -> dict:
         t = tensors[name]
         w = np.array(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
         w = w.reshape(tuple(int(d) for d in reversed(t.shape.tolist())))
-        if gguf_arch == "llama" and hf_name.endswith(("q_proj.weight", "q_proj.bias")):
+        if gguf_arch in PERMUTED_QK and hf_name.endswith(("q_proj.weight", "q_proj.bias")):
             w = llama_unpermute(w, heads, heads)
-        if gguf_arch == "llama" and hf_name.endswith(("k_proj.weight", "k_proj.bias")):
+        if gguf_arch in PERMUTED_QK and hf_name.endswith(("k_proj.weight", "k_proj.bias")):
             w = llama_unpermute(w, heads, kv)
-        if gguf_arch in ("gemma", "gemma2") and hf_name.endswith("norm.weight"):
+        if gguf_arch in NORM_PLUS_ONE and hf_name.endswith("norm.weight"):
             w = w - 1
         state[hf_name] = torch.from_numpy(np.ascontiguousarray(w))
     return state

@@ -2,7 +2,7 @@
 
     errors, dtypes  <-  models  <-  artifact  <-  runtime  <-  { export, tensorrt }
 
-kernels (Triton) sit beside models; bench sits on runtime; cli and doctor sit on top. export and tensorrt
+kernels (Triton) sit beside models; bench and serve sit on runtime; cli and doctor sit on top. export and tensorrt
 never import each other, and the runtime imports neither (its registry names the TensorRT backend's module
 as data, imported when that backend is opened).
 """
@@ -31,6 +31,7 @@ MAY_IMPORT = {  # component -> the components its modules may import (besides it
     "export": LEAVES | {"models", "kernels", "artifact", "runtime"},
     "tensorrt": LEAVES | {"models", "kernels", "artifact", "runtime"},
     "bench": LEAVES | {"models", "artifact", "runtime", "jetson"},
+    "serve": LEAVES | {"models", "artifact", "runtime"},
 }
 TOP = {"cli", "doctor", "__init__"}  # may import anything (lazily)
 

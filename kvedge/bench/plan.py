@@ -7,7 +7,9 @@ Figures (bytes, each stated separately):
   bytes a weight, one scale (dtype bytes) and one zero point (bits, rounded up to whole bytes per row) a
   group; embeddings, norms and biases stay in dtype;
 - KV cache: 2 * layers * kv_heads * head_dim * kv bytes, per token, times context and batch (int8: 1
-  byte, plus its float32 scales once, 2 * layers * kv_heads * head_dim * 4 bytes);
+  byte, plus its float32 scales once, 2 * layers * kv_heads * head_dim * 4 bytes); an MLA model's is
+  (d_c + d_R) * layers (the latent and the decoupled RoPE key, shared by every head), and as many GQA KV heads
+  of its head width (v_head_dim) would hold (d_c + d_R) / (2 * v_head_dim) heads: 2.25 at d_c = 4 d_h, d_R = d_h / 2;
 - activations: the largest transient of one forward over a prefill chunk of `chunk` tokens:
   batch * chunk * (4 * hidden + 2 * intermediate + q_heads * context) * compute bytes, plus the
   logits of one position, batch * vocab * 4 (an estimate, not a measurement);
@@ -20,9 +22,9 @@ from dataclasses import dataclass
 
 from kvedge.errors import KvedgeError
 from kvedge.dtypes import nbytes as dtype_bytes
-from kvedge.models.cache import kv_bytes_per_token, kv_scale_bytes, mla_bytes_per_token
+from kvedge.models.cache import cache_bytes_per_token, kv_bytes_per_token, kv_scale_bytes, mla_bytes_per_token
 from kvedge.models.config import ModelConfig
-from kvedge.models.quant import QUANT_BITS
+from kvedge.models.quant import QUANT_BITS, projections
 
 GiB = 1024**3
 
@@ -54,18 +56,24 @@ DEVICES = {d.name: d for d in (
 
 
 def projection_shapes(cfg: ModelConfig) -> list[tuple[int, int]]:
-    """(out, in) of one block's linears, the ones --quantize replaces: qkv, o, up (gate+up for GLU), down."""
+    """(out, in) of one block's linears, the ones --quantize replaces: qkv, o, up (gate+up for GLU), down (and MLA's
+    q_b; kvedge.models.quant.projections)."""
     h, i = cfg.hidden_size, cfg.intermediate_size
-    return [(cfg.qkv_size, h), (h, cfg.num_heads * cfg.head_dim), (2 * i if cfg.mlp == "glu" else i, h), (h, i)]
+    shapes = {"qkv": (cfg.qkv_size, h), "q_b": (cfg.num_heads * cfg.qk_head_dim, cfg.q_lora_rank),
+              "o": (h, cfg.num_heads * cfg.out_head_dim), "up": (2 * i if cfg.mlp == "glu" else i, h), "down": (h, i)}
+    return [shapes[name] for name in projections(cfg)]
 
 
 def parameter_count(cfg: ModelConfig) -> int:
-    h, i, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    h, d = cfg.hidden_size, cfg.head_dim
     norm = h * (2 if cfg.norm == "layer" else 1)
     shapes = projection_shapes(cfg)
     per_layer = sum(n * k for n, k in shapes) + (cfg.qkv_size if cfg.qkv_bias else 0) + (h if cfg.o_bias else 0)
-    per_layer += (shapes[2][0] + h) if cfg.mlp_bias else 0
+    per_layer += (shapes[-2][0] + h) if cfg.mlp_bias else 0
     per_layer += norm * (4 if cfg.post_norms else 2) + (2 * d if cfg.qk_norm else 0)
+    if cfg.mla:  # kv_b (float, absorbed) and the latent's and the query rank's norms
+        per_layer += cfg.num_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim) * cfg.kv_lora_rank
+        per_layer += cfg.kv_lora_rank + cfg.q_lora_rank
     total = cfg.num_layers * per_layer + cfg.vocab_size * h + norm
     if cfg.positions == "learned":
         total += cfg.max_position_embeddings * h
@@ -116,6 +124,7 @@ class Plan:
     max_batch: int | None
     memory_max_context: int | None  # by memory alone
     kv_by_attention: dict[str, int]
+    gqa_kv_heads: float  # the KV heads of head width out_head_dim a GQA cache of the same bytes has
 
     @property
     def total_bytes(self) -> int:
@@ -145,8 +154,8 @@ def plan(cfg: ModelConfig, seq_len: int, batch: int = 1, dtype: str = "fp16", kv
     elif memory_gb is not None:
         usable = int(memory_gb * GiB)
     weights = weight_bytes(cfg, dtype, quantize, group, quantize_lm_head)
-    per_token = kv_bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, kv_dtype)
-    scales = kv_scale_bytes(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, kv_dtype)  # int8: fixed, like weights
+    per_token = cache_bytes_per_token(cfg, kv_dtype)
+    scales = kv_scale_bytes(cfg, kv_dtype)  # int8: fixed, like weights
     act = activation_bytes(cfg, seq_len, batch, chunk, dtype)
     max_ctx = max_b = mem_ctx = None
     if usable is not None:
@@ -156,13 +165,20 @@ def plan(cfg: ModelConfig, seq_len: int, batch: int = 1, dtype: str = "fp16", kv
         max_b = _largest(lambda b: weights + scales + per_token * seq_len * b + activation_bytes(cfg, seq_len, b, chunk, dtype)
                          <= usable, 1 << 16)
     d = cfg.head_dim
-    kv_by = {
-        "MHA": kv_bytes_per_token(cfg.num_layers, cfg.num_heads, d, kv_dtype),
-        f"{cfg.attention_kind} (this model)": per_token,
-        "MQA": kv_bytes_per_token(cfg.num_layers, 1, d, kv_dtype),
-        "MLA (d_c = 4 head_dim, d_rope = head_dim / 2)": mla_bytes_per_token(cfg.num_layers, 4 * d, d // 2, kv_dtype),
-    }
-    return Plan(weights, per_token * seq_len * batch + scales, act, usable, max_ctx, max_b, mem_ctx, kv_by)
+    if cfg.mla:  # against the keys and values of every head, which it never stores
+        kv_by = {"MHA (each head's key and value, reconstructed)": int(
+            cfg.num_layers * cfg.num_heads * (cfg.qk_head_dim + cfg.v_head_dim) * dtype_bytes(kv_dtype)),
+            "MLA (this model)": per_token}
+    else:
+        kv_by = {
+            "MHA": kv_bytes_per_token(cfg.num_layers, cfg.num_heads, d, kv_dtype),
+            f"{cfg.attention_kind} (this model)": per_token,
+            "MQA": kv_bytes_per_token(cfg.num_layers, 1, d, kv_dtype),
+            "MLA (d_c = 4 head_dim, d_rope = head_dim / 2)": mla_bytes_per_token(cfg.num_layers, 4 * d, d // 2,
+                                                                                  kv_dtype),
+        }
+    gqa_heads = per_token / kv_bytes_per_token(cfg.num_layers, 1, cfg.out_head_dim, kv_dtype)
+    return Plan(weights, per_token * seq_len * batch + scales, act, usable, max_ctx, max_b, mem_ctx, kv_by, gqa_heads)
 
 
 def _largest(fits, hi: int) -> int:

@@ -34,7 +34,8 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
 
 @cached_attention.register_fake
 def _(q, k, v, k_cache, v_cache, positions, scale, window, softcap, cos=None, sin=None, k_scale=None, v_scale=None):
-    return torch.empty_like(q), torch.empty_like(k_cache), torch.empty_like(v_cache)
+    out = q.new_empty(*q.shape[:-1], v_cache.shape[-1])  # the value's width (MLA: the latent's, not q's)
+    return out, torch.empty_like(k_cache), torch.empty_like(v_cache)
 
 
 class ExportGraph(nn.Module):

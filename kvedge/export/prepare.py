@@ -10,7 +10,7 @@ from typing import Callable
 
 from kvedge.dtypes import FLOATS, KV_DTYPES
 from kvedge.errors import KvedgeError
-from kvedge.export.lowerings import Lowering
+from kvedge.export.lowerings import LOWERINGS, Lowering
 from kvedge.models import Decoder
 from kvedge.models.quant import QUANT_BITS
 from kvedge.runtime.calibration import calibration_rows, heldout_rows
@@ -47,8 +47,9 @@ def check_options(model_dir: Path, out_dir: Path, o: ExportOptions, cfg, low: Lo
         raise KvedgeError(f"--dtype {o.dtype!r}: expected one of {', '.join(FLOATS)}")
     reasons = low.unsupported(cfg)
     if reasons:
+        others = [n for n in ("decomposed", "ort") if n != low.name and not LOWERINGS[n].unsupported(cfg)]
         raise KvedgeError(f"the {low.name!r} lowering cannot express this {cfg.arch} model: {'; '.join(reasons)}. "
-                          f"Use --attention {' or '.join(n for n in ('decomposed', 'ort') if n != low.name)}")
+                          f"Use --attention {' or '.join(others)}")
     if o.kv_dtype is not None:
         if o.kv_dtype not in KV_DTYPES:
             raise KvedgeError(f"--kv-dtype {o.kv_dtype!r}: expected one of {', '.join(KV_DTYPES)}")
@@ -56,6 +57,9 @@ def check_options(model_dir: Path, out_dir: Path, o: ExportOptions, cfg, low: Lo
             raise KvedgeError(f"--kv-dtype {o.kv_dtype} with --dtype {o.dtype}: a float cache has the model's dtype "
                               f"(export with --dtype {o.kv_dtype}), or use --kv-dtype int8")
         reasons = low.kv_refusals(o.kv_dtype)
+        if o.kv_dtype == "int8" and cfg.mla:
+            reasons = ["MLA's latent cache (k_rope, c_kv) is int8 in the torch backend only: the one lowering with "
+                       "an int8 cache, ort, cannot run MLA; export a float cache"]
         if reasons:
             raise KvedgeError(f"the {low.name!r} lowering cannot export an {o.kv_dtype} KV cache: {'; '.join(reasons)}")
     if o.quantize or o.kv_dtype == "int8":  # both run the model on the calibration text

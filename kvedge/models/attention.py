@@ -14,6 +14,10 @@
   For a block of L queries against S = p0 + L keys this is the causal mask aligned right
   (query i sees keys <= S - L + i), never a square L x L mask.
 - GQA: query head h reads KV head h // (Hq / Hkv). K/V are never repeated to Hq heads.
+- MLA (multi-head latent attention, absorbed): q is [B, Hq, L, Dk + Dv], wider than the key cache by the value
+  cache's width. Then the key of a slot is [its k entry, its v entry] (the decoupled RoPE key k_rope, d_R = Dk,
+  then the latent c_kv, d_c = Dv) and its value is its v entry; Hkv = 1 and the output is [B, Hq, L, Dv]. RoPE
+  rotates q's first Dk channels (q_rope; the rest, q_nope @ W_uk, passes) and all of k (k_rope).
 - An int8 cache comes with k_scale, v_scale (float32, broadcastable to the cache: [1, Hkv, 1, D] per
   channel, calibrated per layer): the new k (after RoPE) and v are quantized on write, symmetric,
   round(x * (1 / scale)) half to even, clamped to [-128, 127], and attention reads the dequantized
@@ -75,7 +79,7 @@ def attention(
     v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Rotate q, k (if rope), write k, v into the caches at `positions` (quantized with k_scale, v_scale
-    for an int8 cache), then attend q over the cache. Returns [B, Hq, L, D]."""
+    for an int8 cache), then attend q over the cache. Returns [B, Hq, L, Dv] (the value cache's width)."""
     if rope is not None:
         q, k = apply_rope(q, *rope, positions), apply_rope(k, *rope, positions)
     if k_scale is not None:
@@ -88,6 +92,8 @@ def attention(
     keys, values = k_cache[:, :, :kv_len], v_cache[:, :, :kv_len]
     if k_scale is not None:
         keys, values = dequantize_kv(keys, k_scale, q.dtype), dequantize_kv(values, v_scale, q.dtype)
+    if d != keys.shape[-1]:  # MLA: the key is [k_rope, c_kv]
+        keys = torch.cat((keys, values), dim=-1)
     keys, values = keys.unsqueeze(2), values.unsqueeze(2)  # [B, Hkv, 1, S, D]: shared by the group, not copied
     qg = q.view(b, hkv, hq // hkv, l, d)  # [B, Hkv, G, L, D]
     scores = torch.matmul(qg, keys.transpose(-1, -2)).float() * scale  # [B, Hkv, G, L, S]
@@ -96,4 +102,4 @@ def attention(
     mask = visible(positions, kv_len, window)[:, None, None]  # [B, 1, 1, L, S]
     scores = scores.masked_fill(~mask, float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(q.dtype)
-    return torch.matmul(probs, values).view(b, hq, l, d)
+    return torch.matmul(probs, values).view(b, hq, l, -1)

@@ -1,13 +1,15 @@
 """KV-cache allocation and size arithmetic (calibrating an int8 cache's scales: kvedge.runtime.calibration).
 
 Per layer the cache is two tensors [max_batch, kv_heads, max_seq_len, head_dim], allocated once and
-written in place. It holds kv_heads, never q_heads: GQA's memory saving is kept in the cache.
+written in place. It holds kv_heads, never q_heads: GQA's memory saving is kept in the cache. MLA's two are
+[max_batch, 1, max_seq_len, d_rope] (the decoupled RoPE key) and [max_batch, 1, max_seq_len, d_c] (the latent):
+ModelConfig.cache_shapes.
 
 Size per token (both K and V, every layer):
     MHA / GQA / MQA: 2 * n_layers * kv_heads * head_dim * bytes_per_element
     MLA:             (d_c + d_rope) * n_layers * bytes_per_element   (one latent, shared by K and V)
 An int8 cache (1 byte an element) also holds its float32 scales, per layer, KV head and channel, once
-(not per token): 2 * n_layers * kv_heads * head_dim * 4 bytes (kv_scale_bytes).
+(not per token): 2 * n_layers * kv_heads * head_dim * 4 bytes (kv_scale_bytes; MLA's (d_c + d_rope) * n_layers * 4).
 """
 
 from __future__ import annotations
@@ -32,16 +34,20 @@ def mla_bytes_per_token(n_layers: int, d_c: int, d_rope: int, dtype: str | torch
     return int((d_c + d_rope) * n_layers * nbytes(dtype))
 
 
-def kv_scale_bytes(n_layers: int, kv_heads: int, head_dim: int, dtype: str | torch.dtype = "fp16") -> int:
-    """Bytes of an int8 (or fp8) cache's float32 scales (K and V, per layer, KV head and channel); 0 for float
-    caches."""
-    return 2 * n_layers * kv_heads * head_dim * 4 if dtype in ("int8", torch.int8, "fp8") else 0
+def cache_bytes_per_token(cfg: ModelConfig, dtype: str | torch.dtype = "fp16") -> int:
+    """Bytes of one token's cache over every layer, as the model allocates it (MHA/GQA/MQA or MLA)."""
+    return int(cfg.cache_elements_per_token * nbytes(dtype))
+
+
+def kv_scale_bytes(cfg: ModelConfig, dtype: str | torch.dtype = "fp16") -> int:
+    """Bytes of an int8 (or fp8) cache's float32 scales (K and V, per layer, KV head and channel: one a token's
+    cache element, once); 0 for float caches."""
+    return cfg.cache_elements_per_token * 4 if dtype in ("int8", torch.int8, "fp8") else 0
 
 
 def kv_cache_bytes(cfg: ModelConfig, tokens: int, batch: int = 1, dtype: str | torch.dtype = "fp16") -> int:
     """Bytes of a cache holding `tokens` positions for `batch` sequences of this model (int8: with its scales)."""
-    shape = (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
-    return kv_bytes_per_token(*shape, dtype) * tokens * batch + kv_scale_bytes(*shape, dtype)
+    return cache_bytes_per_token(cfg, dtype) * tokens * batch + kv_scale_bytes(cfg, dtype)
 
 
 @dataclass
@@ -68,9 +74,9 @@ class KVCache:
             if any(len(side) != cfg.num_layers for side in scales):
                 raise KvedgeError(f"int8 cache scales: {len(scales[0])}/{len(scales[1])} layers given, the model "
                                   f"has {cfg.num_layers}")
-        shape = (max_batch, cfg.num_kv_heads, max_seq_len, cfg.head_dim)
-        return cls([torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)],
-                   [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)], scales)
+        k_shape, v_shape = cfg.cache_shapes(max_batch, max_seq_len)
+        return cls([torch.zeros(k_shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)],
+                   [torch.zeros(v_shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)], scales)
 
     @property
     def max_batch(self) -> int:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -15,8 +16,9 @@ from typing import Any
 from kvedge.errors import ConfigError
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "gpt2",
-                           "granite", "olmo2", "smollm3")
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+                           "granite", "olmo2", "smollm3", "deepseek_v2", "deepseek_v3", "minicpm3")
+MLA_ARCHITECTURES = ("deepseek_v2", "deepseek_v3", "minicpm3")  # multi-head latent attention
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 
 _ACTIVATIONS = {
     "silu": "silu",
@@ -55,7 +57,7 @@ class ModelConfig:
     positions: str = "rope"  # "rope" | "learned"
     max_position_embeddings: int = 2048
     rope_theta: float = 10000.0
-    rope_scaling: dict[str, Any] | None = None  # {"rope_type": "linear"|"llama3", ...}
+    rope_scaling: dict[str, Any] | None = None  # {"rope_type": "linear"|"llama3"|"longrope", ...}
     partial_rotary_factor: float = 1.0
     rope_local_theta: float | None = None  # gemma3: the RoPE base of sliding-window layers (unscaled)
     layer_rope: list[bool] = field(default_factory=list)  # per layer: RoPE applied (smollm3 has layers without)
@@ -67,6 +69,17 @@ class ModelConfig:
     residual_scale: float = 1.0  # granite: each sublayer's output times this before the residual add
     logits_divisor: float = 1.0  # granite: logits divided by logits_scaling
     tie_embeddings: bool = False
+    # multi-head latent attention (MLA; deepseek_v2/v3, minicpm3), when kv_lora_rank > 0. Each token's cache is one
+    # KV head shared by every query head (num_kv_heads = 1): the key cache holds the decoupled RoPE key k_rope,
+    # head_dim = d_R wide (qk_rope_head_dim; transformers sets head_dim so too), the value cache the latent c_kv,
+    # d_c = kv_lora_rank wide. Keys and values per head are never stored: kv_b (W_uk; W_uv) is absorbed into the
+    # query and after attention (kvedge.models.decoder.Block).
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0  # MLA: the query through a low rank (q_a, q_a_norm, q_b); 0: one projection
+    qk_nope_head_dim: int = 0  # MLA: each head's key width without RoPE, reconstructed from c_kv by W_uk
+    v_head_dim: int = 0  # MLA: each head's value width, reconstructed from c_kv by W_uv
+    rope_interleaved: bool = False  # the checkpoint's rotary channels are pairs (x0, x1), (x2, x3), ... (deepseek);
+    # the loader reorders those rows of the projections into halves (x0, x2, ...; x1, x3, ...): same scores
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     pad_token_id: int | None = None
@@ -88,7 +101,13 @@ class ModelConfig:
         return self.num_heads // self.num_kv_heads
 
     @property
+    def mla(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    @property
     def attention_kind(self) -> str:
+        if self.mla:
+            return "MLA"
         if self.num_kv_heads == self.num_heads:
             return "MHA"
         return "MQA" if self.num_kv_heads == 1 else "GQA"
@@ -99,7 +118,36 @@ class ModelConfig:
 
     @property
     def qkv_size(self) -> int:
+        """Rows of the fused projection of the block's input: [q; k; v], or MLA's [q (or q_a); c_kv; k_rope]."""
+        if self.mla:
+            return (self.q_lora_rank or self.num_heads * self.qk_head_dim) + self.kv_lora_rank + self.head_dim
         return (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+
+    @property
+    def qk_head_dim(self) -> int:
+        """One query head's width: head_dim, or MLA's qk_nope_head_dim + d_R."""
+        return self.qk_nope_head_dim + self.head_dim
+
+    @property
+    def value_dim(self) -> int:
+        """The value cache's last dim: head_dim, or MLA's latent d_c (kv_lora_rank)."""
+        return self.kv_lora_rank or self.head_dim
+
+    @property
+    def out_head_dim(self) -> int:
+        """One query head's attention output, the o projection's input per head: head_dim, or MLA's v_head_dim."""
+        return self.v_head_dim if self.mla else self.head_dim
+
+    def cache_shapes(self, batch: int, seq: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """One layer's (key cache, value cache) shapes: [batch, num_kv_heads, seq, head_dim] and [..., value_dim];
+        MLA: [batch, 1, seq, d_R] (k_rope) and [batch, 1, seq, d_c] (c_kv)."""
+        return (batch, self.num_kv_heads, seq, self.head_dim), (batch, self.num_kv_heads, seq, self.value_dim)
+
+    @property
+    def cache_elements_per_token(self) -> int:
+        """Cache elements of one token over every layer: 2 * layers * kv_heads * head_dim, or MLA's
+        (d_c + d_R) * layers."""
+        return self.num_layers * self.num_kv_heads * (self.head_dim + self.value_dim)
 
     def validate(self) -> None:
         def bad(msg: str) -> ConfigError:
@@ -131,6 +179,10 @@ class ModelConfig:
             raise bad("a block without pre_norms needs post_norms")
         if not self.logits_divisor:
             raise bad("logits_divisor must not be 0")
+        if self.mla and (self.num_kv_heads != 1 or self.qk_nope_head_dim <= 0 or self.v_head_dim <= 0
+                         or self.rotary_dim != self.head_dim or self.positions != "rope" or self.qk_norm):
+            raise bad("MLA needs num_kv_heads 1 (the latent), positive qk_nope_head_dim and v_head_dim, RoPE over "
+                      "the whole head_dim (d_R) and no q/k norm")
 
     # -- (de)serialization for the kvedge.json sidecar ------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -245,7 +297,7 @@ def _from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
         rope_theta=theta,
         rope_scaling=scaling,
         partial_rotary_factor=partial,
-        tie_embeddings=bool(hf.get("tie_word_embeddings", arch in ("gemma", "gemma2", "gemma3_text"))),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", arch in ("gemma", "gemma2", "gemma3_text", "minicpm3"))),
         layer_windows=_layer_windows(hf, arch, layers),
     )
     if arch in ("llama", "qwen3", "granite", "smollm3"):
@@ -277,6 +329,13 @@ def _from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
         if len(flags) != layers:
             raise ConfigError(f"{source}: no_rope_layers has {len(flags)} entries for {layers} layers")
         opts.update(layer_rope=[bool(f) for f in flags])
+    if arch in MLA_ARCHITECTURES:
+        opts.update(_mla(hf, source, need, arch, heads, kv_heads, layers))
+    if arch == "minicpm3":  # scaled embeddings and residual branches, hidden / (hidden / base) at the head (defaults:
+        depth = hf.get("scale_depth", 1.4)  # transformers' MiniCPM3Config)
+        opts.update(embed_scale=float(hf.get("scale_emb", 12)),
+                    residual_scale=(layers ** 0.5 if depth is None else float(depth)) / layers ** 0.5,
+                    logits_divisor=hidden / float(hf.get("dim_model_base", 256) or hidden))
     if arch in ("gemma2", "gemma3_text"):
         opts.update(
             post_norms=True,
@@ -285,6 +344,30 @@ def _from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
             final_softcap=hf.get("final_logit_softcapping"),
         )
     return ModelConfig(**common, **opts)
+
+
+def _mla(hf: dict[str, Any], source: str, need, arch: str, heads: int, kv_heads: int, layers: int) -> dict[str, Any]:
+    """The MLA options of deepseek_v2 / deepseek_v3 (dense layers only) and minicpm3, as transformers reads them."""
+    dense = layers if arch == "minicpm3" else int(hf.get("first_k_dense_replace") or 0)
+    if dense < layers:  # transformers: layer i has routed experts iff i >= first_k_dense_replace
+        raise ConfigError(f"{source}: {arch} with mixture-of-experts layers (routed experts in layers {dense}.."
+                          f"{layers - 1}: first_k_dense_replace {dense} < num_hidden_layers {layers}) is not "
+                          f"supported; kvedge runs dense MLA checkpoints only (first_k_dense_replace >= "
+                          f"num_hidden_layers)")
+    if kv_heads != heads:
+        raise ConfigError(f"{source}: num_key_value_heads ({kv_heads}) != num_attention_heads ({heads}): MLA "
+                          f"reconstructs one key and value per query head")
+    if hf.get("attention_bias"):
+        raise ConfigError(f"{source}: attention_bias=true with MLA is not supported")
+    params = {**(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}
+    if params.get("mscale_all_dim") and (params.get("rope_type") or params.get("type")) not in (None, "default"):
+        raise ConfigError(f"{source}: rope mscale_all_dim (a softmax scale from yarn's mscale) is not supported")
+    rope_dim, nope = int(need("qk_rope_head_dim")), int(need("qk_nope_head_dim"))
+    interleaved = arch == "deepseek_v2" or arch == "deepseek_v3" and bool(hf.get("rope_interleave", True))
+    return dict(num_kv_heads=1, head_dim=rope_dim, partial_rotary_factor=1.0, attn_scale=(nope + rope_dim) ** -0.5,
+                kv_lora_rank=int(need("kv_lora_rank")), q_lora_rank=int(hf.get("q_lora_rank") or 0),
+                qk_nope_head_dim=nope, v_head_dim=int(hf.get("v_head_dim") or need("hidden_size") // heads),
+                rope_interleaved=interleaved)
 
 
 def _gpt2(hf: dict[str, Any], source: str, need, common: dict[str, Any]) -> ModelConfig:
@@ -338,6 +421,8 @@ def _rope(hf: dict[str, Any], source: str) -> tuple[float, dict[str, Any] | None
         )
     if rtype == "default":
         return theta, None, partial
+    if rtype == "longrope":
+        return theta, _longrope(hf, params, source), partial
     if "factor" not in params:
         raise ConfigError(f"{source}: rope scaling {rtype!r} needs a 'factor'")
     scaling: dict[str, Any] = {"rope_type": rtype, "factor": float(params["factor"])}
@@ -350,6 +435,26 @@ def _rope(hf: dict[str, Any], source: str) -> tuple[float, dict[str, Any] | None
             params.get("original_max_position_embeddings") or hf.get("max_position_embeddings", 8192)
         )
     return theta, scaling, partial
+
+
+def _longrope(hf: dict[str, Any], params: dict[str, Any], source: str) -> dict[str, Any]:
+    """phi3's longrope (Phi-3.5, Phi-4-mini), as transformers reads it: per-frequency short and long factors
+    (the long ones once a forward reaches past original_max_position_embeddings), and cos/sin scaled by
+    attention_factor (default sqrt(1 + ln factor / ln original), factor = max / original positions)."""
+    for k in ("short_factor", "long_factor"):
+        if not isinstance(params.get(k), (list, tuple)):
+            raise ConfigError(f"{source}: longrope rope scaling needs a list {k!r}")
+    if len(params["short_factor"]) != len(params["long_factor"]):
+        raise ConfigError(f"{source}: longrope's short_factor and long_factor differ in length")
+    original = int(hf.get("original_max_position_embeddings") or params.get("original_max_position_embeddings")
+                   or hf.get("max_position_embeddings", 2048))
+    factor = float(params.get("factor") or int(hf.get("max_position_embeddings", 2048)) / original)
+    attention = params.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return {"rope_type": "longrope", "factor": factor, "original_max_position_embeddings": original,
+            "short_factor": [float(f) for f in params["short_factor"]],
+            "long_factor": [float(f) for f in params["long_factor"]], "attention_factor": float(attention)}
 
 
 def _smollm3_rope_flags(hf: dict[str, Any], layers: int) -> list[int]:

@@ -1,7 +1,7 @@
 """The one PyTorch definition of every supported decoder-only transformer.
 
-Parameter layout is kvedge's own and fused: one `qkv` projection ([q; k; v] rows) and, for GLU
-MLPs, one `up` projection holding [gate; up]. The loader maps each checkpoint format onto it.
+Parameter layout is kvedge's own and fused: one `qkv` projection ([q; k; v] rows; MLA: [q or q_a; c_kv; k_rope])
+and, for GLU MLPs, one `up` projection holding [gate; up]. The loader maps each checkpoint format onto it.
 """
 
 from __future__ import annotations
@@ -40,6 +40,9 @@ def make_norm(cfg: ModelConfig, dim: int) -> nn.Module:
     return RMSNorm(dim, cfg.norm_eps, cfg.norm_unit_offset)
 
 
+LATENT_NORM_EPS = 1e-6  # MLA's q_a / kv_a norms: transformers builds them with RMSNorm's default eps, not the config's
+
+
 _ACT: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
     "gelu": F.gelu,
@@ -60,7 +63,13 @@ class Block(nn.Module):
         if cfg.pre_norms:
             self.attn_norm = make_norm(cfg, h)
         self.qkv = nn.Linear(h, cfg.qkv_size, bias=cfg.qkv_bias)
-        self.o = nn.Linear(cfg.num_heads * d, h, bias=cfg.o_bias)
+        self.o = nn.Linear(cfg.num_heads * cfg.out_head_dim, h, bias=cfg.o_bias)
+        if cfg.mla:  # the latent's norm and its up-projection [W_uk; W_uv] per head; the query's low rank
+            self.kv_a_norm = RMSNorm(cfg.kv_lora_rank, LATENT_NORM_EPS, cfg.norm_unit_offset)
+            self.kv_b = nn.Linear(cfg.kv_lora_rank, cfg.num_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False)
+            if cfg.q_lora_rank:
+                self.q_a_norm = RMSNorm(cfg.q_lora_rank, LATENT_NORM_EPS, cfg.norm_unit_offset)
+                self.q_b = nn.Linear(cfg.q_lora_rank, cfg.num_heads * cfg.qk_head_dim, bias=False)
         if cfg.qk_norm:  # over head_dim, or over the whole projection (qk_norm_scope "all")
             wide = cfg.qk_norm_scope == "all"
             self.q_norm = RMSNorm(cfg.num_heads * d if wide else d, cfg.norm_eps, cfg.norm_unit_offset)
@@ -82,18 +91,23 @@ class Block(nn.Module):
         b, l, _ = x.shape
         hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         qkv = self.qkv(self.attn_norm(x) if cfg.pre_norms else x)
-        q, k, v = qkv.split((hq * d, hkv * d, hkv * d), dim=-1)
-        if cfg.qk_norm and cfg.qk_norm_scope == "all":
-            q, k = self.q_norm(q), self.k_norm(k)
-        q = q.view(b, l, hq, d).transpose(1, 2)
-        k = k.view(b, l, hkv, d).transpose(1, 2)
-        v = v.view(b, l, hkv, d).transpose(1, 2)
-        if cfg.qk_norm and cfg.qk_norm_scope == "head":
-            q, k = self.q_norm(q), self.k_norm(k)
+        if cfg.mla:
+            q, k, v = self._latent_qkv(qkv)
+        else:
+            q, k, v = qkv.split((hq * d, hkv * d, hkv * d), dim=-1)
+            if cfg.qk_norm and cfg.qk_norm_scope == "all":
+                q, k = self.q_norm(q), self.k_norm(k)
+            q = q.view(b, l, hq, d).transpose(1, 2)
+            k = k.view(b, l, hkv, d).transpose(1, 2)
+            v = v.view(b, l, hkv, d).transpose(1, 2)
+            if cfg.qk_norm and cfg.qk_norm_scope == "head":
+                q, k = self.q_norm(q), self.k_norm(k)
         quant = dict(zip(("k_scale", "v_scale"), kv_scales))  # only an int8 cache's op gets them
         a = attention_op(q, k, v, k_cache, v_cache, positions, scale=cfg.attn_scale, window=self.window,
                          softcap=cfg.attn_softcap, rope=rope_tables.get(self.rope_kind), **quant)
-        a = self.o(a.transpose(1, 2).reshape(b, l, hq * d))
+        if cfg.mla:  # W_uv after attention: each head's latent output [B, H, L, d_c] -> its value, v_head_dim
+            a = a @ self.latent_up()[1].transpose(1, 2)
+        a = self.o(a.transpose(1, 2).reshape(b, l, hq * cfg.out_head_dim))
         if cfg.post_norms:
             a = self.post_attn_norm(a)
         if cfg.residual_scale != 1.0:
@@ -110,6 +124,28 @@ class Block(nn.Module):
         if cfg.residual_scale != 1.0:
             m = m * cfg.residual_scale
         return x + m
+
+    def latent_up(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """MLA: kv_b's weight as (W_uk [H, qk_nope_head_dim, d_c], W_uv [H, v_head_dim, d_c]): the latent c_kv up to
+        each head's key (without RoPE) and value."""
+        cfg = self.cfg
+        w = self.kv_b.weight.view(cfg.num_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
+        return w[:, :cfg.qk_nope_head_dim], w[:, cfg.qk_nope_head_dim:]  # slices: export folds them to constants
+
+    def _latent_qkv(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """MLA, absorbed: the query [B, H, L, d_R + d_c] = [q_rope, q_nope @ W_uk] (its RoPE part first, where the
+        op rotates), the new RoPE key [B, 1, L, d_R] and latent c_kv [B, 1, L, d_c]: attention over the latent is
+        one KV head whose key is [k_rope, c_kv] and value c_kv (kvedge.models.attention). Per head, q_nope @ W_uk
+        . c_kv = q_nope . (W_uk c_kv), the key transformers reconstructs; nothing per head is cached."""
+        cfg = self.cfg
+        b, l, _ = qkv.shape
+        dn, dr, dc = cfg.qk_nope_head_dim, cfg.head_dim, cfg.kv_lora_rank
+        q, c_kv, k_rope = qkv.split((cfg.qkv_size - dc - dr, dc, dr), dim=-1)
+        if cfg.q_lora_rank:
+            q = self.q_b(self.q_a_norm(q))
+        q_nope, q_rope = q.view(b, l, cfg.num_heads, dn + dr).transpose(1, 2).split((dn, dr), dim=-1)
+        q = torch.cat((q_rope, q_nope @ self.latent_up()[0]), dim=-1)
+        return q, k_rope[:, None], self.kv_a_norm(c_kv)[:, None]
 
 
 class Decoder(nn.Module):
@@ -131,10 +167,8 @@ class Decoder(nn.Module):
         self.norm = make_norm(cfg, cfg.hidden_size)
         if not cfg.tie_embeddings:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.register_buffer("inv_freq", rope.inv_freq(cfg) if cfg.positions == "rope" else torch.empty(0),
-                             persistent=False)
-        if cfg.rope_local_theta is not None:  # gemma3's sliding-window layers: their own base, unscaled
-            self.register_buffer("inv_freq_local", rope.inv_freq(cfg, local=True), persistent=False)
+        for name, freq in rope.buffers(cfg).items():  # inv_freq[, _local (gemma3), _long (longrope)]
+            self.register_buffer(name, freq, persistent=False)
         self.attention_op: Callable[..., torch.Tensor] = attention
         self._tables: tuple | None = None
 
@@ -145,9 +179,12 @@ class Decoder(nn.Module):
         key = (length, dtype, self.inv_freq.device)
         if self._tables is not None and self._tables[0] == key:
             return self._tables[1]
-        tables = {"global": rope.tables(self.inv_freq, length, dtype)}
+        scale = rope.attention_factor(self.cfg)
+        tables = {"global": rope.tables(self.inv_freq, length, dtype, scale)}
         if hasattr(self, "inv_freq_local"):
             tables["local"] = rope.tables(self.inv_freq_local, length, dtype)
+        if hasattr(self, "inv_freq_long"):
+            tables["long"] = rope.tables(self.inv_freq_long, length, dtype, scale)
         if not (torch.compiler.is_compiling() or torch.compiler.is_exporting()):
             self._tables = (key, tables)
         return tables
@@ -168,6 +205,11 @@ class Decoder(nn.Module):
             x = x + self.pos_embed(positions)
         else:  # the tables of one cache length, shared by the layers (each takes its rope_kind's)
             tables = self.rope_tables(caches[0][0].shape[2], x.dtype)
+            switch = rope.long_switch(cfg)
+            if switch is not None:  # longrope: a forward reaching the original length runs on the long set
+                far = positions.max() >= switch
+                tables = {**tables, "global": tuple(torch.where(far, lg, sh)
+                                                    for lg, sh in zip(tables["long"], tables["global"]))}
         for layer, (k_cache, v_cache, *kv_scales) in zip(self.layers, caches, strict=True):
             x = layer(x, positions, tables, k_cache, v_cache, self.attention_op, kv_scales)
         if logit_index is not None:

@@ -7,10 +7,24 @@ path. Tensor names are llama.cpp's (`token_embd`, `blk.N.attn_q`, ...), mapped o
 `loader.tensor_map` and from there onto kvedge's fused layout.
 
 Undone here, as llama.cpp's convert_hf_to_gguf.py did it:
-  - llama: the rows of attn_q / attn_k (weights and biases) are permuted per head from the Hugging Face
-    half-split RoPE layout to the interleaved one; the inverse permutation is applied (an exact row shuffle,
-    of the quantized blocks too).
-  - gemma, gemma2: every `*norm.weight` was stored as w + 1; 1 is subtracted again (as transformers does).
+  - llama, granite, smollm3 (its LlamaModel and the subclasses that keep `undo_permute`): the rows of
+    attn_q / attn_k (weights and biases) are permuted per head from the Hugging Face half-split RoPE layout
+    to the interleaved one; the inverse permutation is applied (an exact row shuffle, of the quantized blocks
+    too).
+  - gemma, gemma2, gemma3: every `*norm.weight` (gemma3's q / k norms too) was stored as w + 1; 1 is
+    subtracted again (as transformers does).
+
+Read as llama.cpp's loader reads them, where the converter writes nothing and llama.cpp hard-codes the value
+(ggml-org/llama.cpp src/llama-model.cpp, src/models/<arch>.cpp, src/llama-hparams.cpp):
+  - gemma2 / gemma3: queries scaled by 1/sqrt(head_dim), by 1/sqrt(hidden / heads) for the 27B models (46 /
+    62 layers); `query_pre_attn_scalar` is not in the file.
+  - gemma3: every 6th layer global, the others sliding (`attention.sliding_window_pattern` where present),
+    sliding layers on RoPE base `rope.freq_base_swa`, 10000 where absent, unscaled.
+  - smollm3: no RoPE in every 4th layer (n_no_rope_layer_step = 4); `no_rope_layers` is not in the file.
+  - granite: `attention.scale` absent means 1/sqrt(head_dim); `embedding_scale`, `residual_scale` absent mean 1.
+  - phi3 LongRoPE: tensors rope_factors_short / rope_factors_long and `rope.scaling.attn_factor` (1 where
+    absent). kvedge switches to the long factors as transformers does (once a forward reaches past the original
+    context); llama.cpp instead picks one set for a whole run from its context size.
 
 Weights are never re-rounded:
   - F32 / F16 / BF16 load as floats (every value exact in float32).
@@ -47,7 +61,8 @@ from torch import nn
 from kvedge.errors import CheckpointError, ConfigError, require
 from kvedge.models.config import ModelConfig
 
-SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma", "gemma2", "phi3")
+SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "phi3", "olmo2", "granite",
+                               "smollm3")
 FLOAT_TYPES = ("F32", "F16", "BF16")
 # type -> (bits of kvedge's container, group, affine (w = q * s + min), zero point of a non-affine type)
 QUANT_TYPES: dict[str, tuple[int, int, bool, int]] = {
@@ -64,12 +79,22 @@ SUPPORTED_TYPES = FLOAT_TYPES + tuple(QUANT_TYPES)
 READ_VERSIONS = (2, 3)
 _HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                      "qwen3": "Qwen3ForCausalLM", "gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM",
-                     "phi3": "Phi3ForCausalLM"}
+                     "gemma3_text": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM", "olmo2": "Olmo2ForCausalLM",
+                     "granite": "GraniteForCausalLM", "smollm3": "SmolLM3ForCausalLM"}
+_MODEL_TYPES = {"gemma3": "gemma3_text"}  # GGUF architecture -> Hugging Face model_type, where they differ
+# what the converter did per architecture (module doc): Q/K rows permuted; norms stored as w + 1
+_PERMUTED_QK = ("llama", "granite", "smollm3")
+_NORM_PLUS_ONE = ("gemma", "gemma2", "gemma3")
+_POST_ATTENTION_NORM = ("gemma2", "gemma3", "olmo2")  # post_attention_layernorm is post_attention_norm, not ffn_norm
+# llama.cpp scales queries by 1/sqrt(head_dim), but those of these architectures' 27B models (by their layer count)
+# by 1/sqrt(hidden / heads): src/models/gemma2*.cpp, src/models/gemma3.cpp (after gemma_pytorch's config)
+_WIDE_QUERY_SCALE_LAYERS = {"gemma2": 46, "gemma3": 62}
+_ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")  # read into the config
 # Hugging Face module names -> llama.cpp's tensor names (gguf's TensorNameMap for these architectures)
 _TOP_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
 _LAYER_NAMES = {
     "input_layernorm": "attn_norm",
-    "post_attention_layernorm": "ffn_norm",  # gemma2: post_attention_norm (see _gguf_name)
+    "post_attention_layernorm": "ffn_norm",  # gemma2, gemma3, olmo2: post_attention_norm (see _gguf_name)
     "pre_feedforward_layernorm": "ffn_norm",
     "post_feedforward_layernorm": "post_ffw_norm",
     "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
@@ -216,7 +241,7 @@ def hf_config(g: GGUFFile) -> dict[str, Any]:
     if not vocab and "token_embd.weight" in g.tensors:
         vocab = g.shape("token_embd.weight")[0]
     hf: dict[str, Any] = {
-        "model_type": arch,
+        "model_type": _MODEL_TYPES.get(arch, arch),
         "vocab_size": vocab,
         "hidden_size": hidden,
         "num_hidden_layers": layers,
@@ -243,32 +268,52 @@ def hf_config(g: GGUFFile) -> dict[str, Any]:
         hf["rope_scaling"] = {"rope_type": "linear", "factor": _f32(key("rope.scaling.factor"))}
     elif scaling != "none":  # yarn, longrope, ...: the config reader refuses them by name
         hf["rope_scaling"] = {"rope_type": scaling, "factor": _f32(key("rope.scaling.factor", 1.0))}
-    for name in ("rope_factors_long.weight", "rope_factors_short.weight"):
-        if name in g.tensors:
-            raise ConfigError(f"{where}: tensor {name}: LongRoPE frequency factors are not supported by kvedge")
+    if "rope_factors_long.weight" in g.tensors or "rope_factors_short.weight" in g.tensors:
+        hf["rope_scaling"] = _longrope_scaling(g, hf, rot or head_dim)
     if "rope_freqs.weight" in g.tensors:
         hf["rope_scaling"] = _llama3_scaling(g, hf, head_dim)
 
     has = lambda name: name in g.tensors  # noqa: E731
-    if arch == "llama":
+    if arch not in ("qwen2", "phi3"):  # optional biases, where the file has them (qwen2's are always there)
         hf["attention_bias"] = has("blk.0.attn_q.bias")
+    if arch in ("llama", "granite", "smollm3"):
         hf["mlp_bias"] = has("blk.0.ffn_up.bias")
+    if arch == "llama":
         window = key("attention.sliding_window", 0)
         if window:  # mistral-style: every layer slides
             hf["sliding_window"] = int(window)
             if not (hf["attention_bias"] or hf["mlp_bias"]):
                 hf["model_type"] = "mistral"  # what transformers runs with a window; kvedge reads both
-    elif arch == "qwen3":
-        hf["attention_bias"] = has("blk.0.attn_q.bias")
-    elif arch in ("gemma", "gemma2"):
+    if arch in ("gemma", "gemma2", "gemma3"):
         hf["hidden_activation"] = "gelu_pytorch_tanh"
-        hf["attention_bias"] = has("blk.0.attn_q.bias")
+    if arch in _WIDE_QUERY_SCALE_LAYERS:  # the file has no query_pre_attn_scalar (module doc)
+        hf["query_pre_attn_scalar"] = hidden // heads if layers == _WIDE_QUERY_SCALE_LAYERS[arch] else head_dim
     if arch == "gemma2":  # llama.cpp's defaults where the keys are absent (those of Gemma 2 itself)
         hf["attn_logit_softcapping"] = _f32(key("attn_logit_softcapping", 50.0))
         hf["final_logit_softcapping"] = _f32(key("final_logit_softcapping", 30.0))
         hf["sliding_window"] = int(key("attention.sliding_window", 4096))
-        # llama.cpp scales queries by 1/sqrt(head_dim), except Gemma 2 27B (46 layers): 1/sqrt(hidden / heads)
-        hf["query_pre_attn_scalar"] = hidden // heads if layers == 46 else head_dim
+    if arch == "gemma3":  # src/models/gemma3.cpp load_arch_hparams: no window, no sliding layer; no softcap key, none
+        softcap = key("final_logit_softcapping", 0.0)
+        hf["final_logit_softcapping"] = _f32(softcap) if softcap else None
+        window = int(key("attention.sliding_window", 0))
+        if window:  # else every layer is global, which kvedge's gemma3 refuses (config reader)
+            hf["sliding_window"] = window
+            hf["layer_types"] = _swa_layer_types(g, layers, every=6)
+            hf["rope_local_base_freq"] = _f32(key("rope.freq_base_swa", 10000.0))
+    if arch == "olmo2" and key("attention.sliding_window", 0):
+        raise ConfigError(f"{where}: olmo2.attention.sliding_window is set: an OLMo 3 file (sliding layers on their "
+                          f"own RoPE), which kvedge does not import; it imports OLMo 2 files (no window)")
+    if arch == "granite":  # GraniteModel writes the multipliers as *_scale keys, and none that is 0 or absent;
+        # src/models/granite.cpp: logit_scale required, attention.scale 0 = 1/sqrt(head_dim), the others 0 = none
+        if not key("rope.scaling.finetuned", True):
+            raise ConfigError(f"{where}: granite.rope.scaling.finetuned is false, which llama.cpp reads as no RoPE "
+                              f"in any layer (Granite 4 style); kvedge imports granite files with RoPE")
+        hf["embedding_multiplier"] = _f32(key("embedding_scale", 0.0)) or 1.0
+        hf["residual_multiplier"] = _f32(key("residual_scale", 0.0)) or 1.0
+        hf["attention_multiplier"] = _f32(key("attention.scale", 0.0)) or head_dim ** -0.5
+        hf["logits_scaling"] = _f32(key("logit_scale"))
+    if arch == "smollm3":  # no_rope_layers is not in the file; src/models/smollm3.cpp: every 4th layer without RoPE
+        hf["no_rope_layers"] = [int((i + 1) % 4 != 0) for i in range(layers)]
     if arch == "phi3":
         window = key("attention.sliding_window", 0)  # 0: none (Phi-4)
         if window:
@@ -312,6 +357,41 @@ def _llama3_scaling(g: GGUFFile, hf: dict[str, Any], head_dim: int | None) -> di
     return {"rope_type": "llama3", **{k: float(v) for k, v in p.items()}}
 
 
+def _swa_layer_types(g: GGUFFile, layers: int, every: int) -> list[str]:
+    """Each layer's type as llama.cpp's load_swa_pattern reads it (src/llama-model.cpp, llama-hparams.cpp):
+    `{arch}.attention.sliding_window_pattern` as one flag per layer, or as n: layer i slides iff i % n < n - 1
+    (every n-th layer global; n = 0: all slide); absent: n = `every`, the architecture's hard-coded default."""
+    name = f"{g.arch}.attention.sliding_window_pattern"
+    v = g.value(name, every)
+    if isinstance(v, list) and len(v) != layers:
+        raise ConfigError(f"{g.path}: {name} has {len(v)} entries for {layers} layers")
+    slides = [bool(f) for f in v] if isinstance(v, list) else [v == 0 or i % v < v - 1 for i in range(layers)]
+    return ["sliding_attention" if s else "full_attention" for s in slides]
+
+
+def _longrope_scaling(g: GGUFFile, hf: dict[str, Any], rot_dim: int | None) -> dict[str, Any]:
+    """phi3's LongRoPE as convert_hf_to_gguf.py's Phi3MiniModel writes it: F32 tensors rope_factors_short and
+    rope_factors_long [rotary dims / 2], `rope.scaling.attn_factor` (sqrt(1 + ln s / ln original), s = context /
+    original context) and `rope.scaling.original_context_length`; llama.cpp's defaults where a key is absent
+    (attn factor 1, original context = context length: src/llama-model.cpp)."""
+    factors = {}
+    for which in ("short", "long"):
+        name = f"rope_factors_{which}.weight"
+        t = g.tensors.get(name)
+        if t is None or t.tensor_type.name != "F32" or g.shape(name) != ((rot_dim or 0) // 2,):
+            got = "missing" if t is None else f"{t.tensor_type.name} {list(g.shape(name))}"
+            raise ConfigError(f"{g.path}: tensor {name} is {got}; LongRoPE needs rope_factors_short and "
+                              f"rope_factors_long, F32 [{(rot_dim or 0) // 2}]")
+        factors[f"{which}_factor"] = [_f32(v) for v in np.asarray(t.data).reshape(-1)]
+    length = hf["max_position_embeddings"]
+    original = int(g.value(f"{g.arch}.rope.scaling.original_context_length") or length)
+    stored = g.value(f"{g.arch}.rope.scaling.attn_factor", 1.0)
+    computed = math.sqrt(1 + math.log(length / original) / math.log(original)) if length > original else 1.0
+    attention = computed if np.float32(stored) == np.float32(computed) else _f32(stored)  # the converter's float
+    return {"rope_type": "longrope", **factors, "original_max_position_embeddings": original,
+            "attention_factor": attention}
+
+
 def load_config(path: str | Path) -> ModelConfig:
     """The ModelConfig of a GGUF file, from its metadata."""
     g = open_gguf(path)
@@ -325,7 +405,7 @@ def _gguf_name(hf_name: str, arch: str) -> str:
         return f"{_TOP_NAMES[base]}.{part}"
     _, _, rest = base.partition("model.layers.")
     i, _, module = rest.partition(".")
-    if arch == "gemma2" and module == "post_attention_layernorm":
+    if arch in _POST_ATTENTION_NORM and module == "post_attention_layernorm":
         return f"blk.{i}.post_attention_norm.{part}"
     return f"blk.{i}.{_LAYER_NAMES[module]}.{part}"
 
@@ -345,7 +425,7 @@ def _plan(g: GGUFFile, cfg: ModelConfig) -> dict[str, tuple[tuple[str, ...], tup
         more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
         raise CheckpointError(f"{where}: missing tensor(s) for {g.arch} with {cfg.num_layers} layers: "
                               f"{', '.join(missing[:5])}{more}")
-    extra = sorted(set(g.tensors) - set(wanted) - {"rope_freqs.weight"})
+    extra = sorted(set(g.tensors) - set(wanted) - set(_ROPE_TENSORS))
     if extra:
         raise CheckpointError(f"{where}: unexpected tensor(s) for {g.arch} with {cfg.num_layers} layers: "
                               f"{', '.join(extra[:5])}" + (f" and {len(extra) - 5} more" if len(extra) > 5 else "")
@@ -362,12 +442,12 @@ def _plan(g: GGUFFile, cfg: ModelConfig) -> dict[str, tuple[tuple[str, ...], tup
 
 
 def _row_order(g: GGUFFile, name: str, cfg: ModelConfig, rows: int) -> np.ndarray | None:
-    """The rows' order that undoes llama.cpp's Q/K permutation (llama only), None where there is none.
+    """The rows' order that undoes llama.cpp's Q/K permutation (llama, granite, smollm3), None where there is none.
 
     convert_hf_to_gguf.py (LlamaModel.permute) stored w.reshape(h, 2, d/2, ...).swapaxes(1, 2): row (h, j, i)
     of the file is row (h, i, j) of the checkpoint. The inverse, as a row index: file rows taken in the
     order arange(rows).reshape(h, d/2, 2).swapaxes(1, 2)."""
-    if g.arch != "llama":
+    if g.arch not in _PERMUTED_QK:
         return None
     if ".attn_q." in name:
         heads = cfg.num_heads
@@ -388,7 +468,7 @@ def read_float(g: GGUFFile, name: str, cfg: ModelConfig) -> np.ndarray:
     order = _row_order(g, name, cfg, w.shape[0])
     if order is not None:
         w = w[order]
-    if g.arch in ("gemma", "gemma2") and name.endswith("norm.weight"):
+    if g.arch in _NORM_PLUS_ONE and name.endswith("norm.weight"):
         w = w - np.float32(1.0)
     return np.ascontiguousarray(w)
 
@@ -536,9 +616,8 @@ def load_decoder(path: str | Path, dtype: str | torch.dtype | None = None, devic
         model.set_submodule(module, linear)
         state.update({f"{module}.{b}": getattr(linear, b) for b in _BUFFERS if getattr(linear, b) is not None})
     model.load_state_dict(state, strict=True, assign=True)
-    model.inv_freq = (rope.inv_freq(cfg) if cfg.positions == "rope" else torch.empty(0)).to(device)
-    if cfg.rope_local_theta is not None:
-        model.inv_freq_local = rope.inv_freq(cfg, local=True).to(device)
+    for name, freq in rope.buffers(cfg).items():
+        setattr(model, name, freq.to(device))
     model.gguf = record
     if linears:  # export and the native engine take them as they are
         kinds = sorted({t.split()[0] for t in record["linears"].values()})

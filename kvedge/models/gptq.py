@@ -25,8 +25,8 @@ from torch import nn
 
 from kvedge.errors import KvedgeError
 from kvedge.models.cache import KVCache
-from kvedge.models.quant import (PROJECTIONS, QuantLinear, check_shape, dequantize, dequantize_values, group_params,
-                                 lm_head_linear, pack, quantize, quantize_values)
+from kvedge.models.quant import (QuantLinear, check_shape, dequantize, dequantize_values, group_params,
+                                 lm_head_linear, pack, projections, quantize, quantize_values)
 
 DAMP = 0.01  # fraction of H's mean diagonal added to its diagonal
 BLOCK = 128  # columns per lazy-batch block (rounded to whole groups)
@@ -131,12 +131,12 @@ def gptq_quantize_decoder(model: nn.Module, rows: torch.Tensor, bits: int, group
 
     def calibrate(index: int, block: nn.Module, args: tuple) -> None:
         """Pre-hook of Block `index`: args are what the already-quantized blocks before it produced."""
-        start = len(errors)
-        for name in PROJECTIONS:  # each sees the inputs the already-quantized ones before it give it
+        start, names = len(errors), projections(cfg)
+        for name in names:  # each sees the inputs the already-quantized ones before it give it
             setattr(block, name, _calibrated(getattr(block, name), lambda: block.forward(*args), bits, group,
                                              accuracy_level, errors, symmetric=symmetric))
         if progress:
-            g, rtn = (sum(e[i] for e in errors[start:]) / len(PROJECTIONS) for i in (0, 1))
+            g, rtn = (sum(e[i] for e in errors[start:]) / len(names) for i in (0, 1))
             progress(f"GPTQ layer {index + 1}/{cfg.num_layers}: relative output error {g:.2%} "
                      f"(round-to-nearest {rtn:.2%})")
 

@@ -32,6 +32,7 @@ class Source:
     names: tuple[str, ...]
     shapes: tuple[tuple[int, ...], ...]
     transpose: bool = False  # GPT-2's Conv1D stores [in, out]
+    rows: tuple[int, ...] | None = None  # the concatenated rows in this order (deepseek's interleaved RoPE rows)
 
 
 def torch_dtype(name: str | torch.dtype | None) -> torch.dtype | None:
@@ -47,7 +48,7 @@ def tensor_map(cfg: ModelConfig, prefix: str = "") -> dict[str, Source]:
     if cfg.arch == "gpt2":
         return _gpt2_map(cfg, prefix)
     h, d, i_size = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
-    qd, kvd = cfg.num_heads * d, cfg.num_kv_heads * d
+    qd, kvd, od = cfg.num_heads * d, cfg.num_kv_heads * d, cfg.num_heads * cfg.out_head_dim
     m: dict[str, Source] = {}
 
     def one(dst: str, src: str, shape: tuple[int, ...]) -> None:
@@ -75,8 +76,11 @@ def tensor_map(cfg: ModelConfig, prefix: str = "") -> dict[str, Source]:
             one(k + "up.weight", p + "mlp.gate_up_proj.weight", (2 * i_size, h))
         else:
             a = p + "self_attn."
-            m[k + "qkv.weight"] = Source((a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"),
-                                         ((qd, h), (kvd, h), (kvd, h)))
+            if cfg.mla:
+                m.update(_mla_map(cfg, a, k))
+            else:
+                m[k + "qkv.weight"] = Source((a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"),
+                                             ((qd, h), (kvd, h), (kvd, h)))
             if cfg.qkv_bias:
                 m[k + "qkv.bias"] = Source((a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"),
                                            ((qd,), (kvd,), (kvd,)))
@@ -85,7 +89,7 @@ def tensor_map(cfg: ModelConfig, prefix: str = "") -> dict[str, Source]:
             if cfg.mlp_bias:
                 m[k + "up.bias"] = Source((p + "mlp.gate_proj.bias", p + "mlp.up_proj.bias"),
                                           ((i_size,), (i_size,)))
-        one(k + "o.weight", p + "self_attn.o_proj.weight", (h, qd))
+        one(k + "o.weight", p + "self_attn.o_proj.weight", (h, od))
         if cfg.o_bias:
             one(k + "o.bias", p + "self_attn.o_proj.bias", (h,))
         one(k + "down.weight", p + "mlp.down_proj.weight", (h, i_size))
@@ -95,6 +99,35 @@ def tensor_map(cfg: ModelConfig, prefix: str = "") -> dict[str, Source]:
             wide = cfg.qk_norm_scope == "all"  # olmo2: over the whole projection
             one(k + "q_norm.weight", p + "self_attn.q_norm.weight", (qd if wide else d,))
             one(k + "k_norm.weight", p + "self_attn.k_norm.weight", (kvd if wide else d,))
+    return m
+
+
+def _mla_map(cfg: ModelConfig, a: str, k: str) -> dict[str, Source]:
+    """MLA's attention tensors (prefix `a`) as kvedge's: qkv = [q_proj or q_a_proj; kv_a_proj_with_mqa] (both read
+    the normed input), kv_a_norm, kv_b, and with a query rank q_a_norm and q_b. A checkpoint with interleaved RoPE
+    channels (cfg.rope_interleaved) gets its RoPE rows of the query and of k_rope reordered to halves."""
+    h, dr, dc, q_rank = cfg.hidden_size, cfg.head_dim, cfg.kv_lora_rank, cfg.q_lora_rank
+    q_rows = cfg.num_heads * cfg.qk_head_dim
+    q_ropes = range(cfg.qk_nope_head_dim, q_rows, cfg.qk_head_dim)  # each head's RoPE rows start here
+
+    def rows(n: int, starts) -> tuple[int, ...] | None:
+        if not cfg.rope_interleaved:
+            return None
+        order = list(range(n))
+        for s in starts:
+            order[s:s + dr] = [*range(s, s + dr, 2), *range(s + 1, s + dr, 2)]
+        return tuple(order)
+
+    m = {k + "kv_a_norm.weight": Source((a + "kv_a_layernorm.weight",), ((dc,),)),
+         k + "kv_b.weight": Source((a + "kv_b_proj.weight",), ((cfg.num_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim),
+                                                                  dc),))}
+    first = (a + "q_a_proj.weight", (q_rank, h)) if q_rank else (a + "q_proj.weight", (q_rows, h))
+    k_rope = [cfg.qkv_size - dr]  # the last rows of qkv; before them c_kv, and q's (or q_a's: no RoPE there)
+    m[k + "qkv.weight"] = Source((first[0], a + "kv_a_proj_with_mqa.weight"), (first[1], (dc + dr, h)),
+                                 rows=rows(cfg.qkv_size, k_rope if q_rank else [*q_ropes, *k_rope]))
+    if q_rank:
+        m[k + "q_a_norm.weight"] = Source((a + "q_a_layernorm.weight",), ((q_rank,),))
+        m[k + "q_b.weight"] = Source((a + "q_b_proj.weight",), ((q_rows, q_rank),), rows=rows(q_rows, q_ropes))
     return m
 
 
@@ -273,6 +306,9 @@ def load_decoder(model_dir: str | Path, dtype: str | torch.dtype | None = None,
     prefix = "transformer." if cfg.arch == "gpt2" and "transformer.wte.weight" in ckpt.shapes else ""
     tmap = tensor_map(cfg, prefix)
     spec = prequant.read_spec(model_dir)  # a pre-quantized (AWQ / GPTQ) checkpoint: its linears are repacked
+    if spec and cfg.mla:  # kv_b is read as a matrix (absorbed) and RoPE rows may be reordered: both need floats
+        raise CheckpointError(f"{ckpt.where}: pre-quantized ({spec.method}) MLA checkpoints are not supported; "
+                              f"load the float checkpoint (export can quantize it with --quantize)")
     quantized = prequant.Prequantized.plan(spec, tmap, ckpt.shapes, ckpt.dtypes, ckpt.where) if spec else None
     if quantized is not None:
         tmap = quantized.fp_map
@@ -283,6 +319,8 @@ def load_decoder(model_dir: str | Path, dtype: str | torch.dtype | None = None,
     for dst, src in tmap.items():
         parts = [raw.pop(n) for n in src.names]
         t = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+        if src.rows is not None:
+            t = t[list(src.rows)]
         state[dst] = (t.t() if src.transpose else t).to(device=device, dtype=want).contiguous()
     with torch.device("meta"):
         model = Decoder(cfg)
@@ -290,7 +328,6 @@ def load_decoder(model_dir: str | Path, dtype: str | torch.dtype | None = None,
         state.update(quantized.install(model, raw, want, device))
         model.prequantized = quantized.record()
     model.load_state_dict(state, strict=True, assign=True)
-    model.inv_freq = (rope.inv_freq(cfg) if cfg.positions == "rope" else torch.empty(0)).to(device)
-    if cfg.rope_local_theta is not None:
-        model.inv_freq_local = rope.inv_freq(cfg, local=True).to(device)
+    for name, freq in rope.buffers(cfg).items():
+        setattr(model, name, freq.to(device))
     return model.eval().requires_grad_(False)

@@ -139,6 +139,12 @@ QUANT_BITS = {"int8": 8, "int4": 4}  # the --quantize schemes
 PROJECTIONS = ("qkv", "o", "up", "down")  # the linears of a Block, in the order data flows through them
 
 
+def projections(cfg) -> tuple[str, ...]:
+    """The linears of a Block of `cfg` that quantization replaces, in data-flow order: PROJECTIONS, and MLA's q_b
+    after qkv when its query has a low rank. MLA's kv_b stays float: decode multiplies by its weight (absorbed)."""
+    return ("qkv", "q_b", *PROJECTIONS[1:]) if cfg.q_lora_rank else PROJECTIONS
+
+
 class QuantLinear(nn.Module):
     def __init__(self, linear: nn.Linear, bits: int, group: int, accuracy_level: int = 0,
                  packed: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None, symmetric: bool = False,
@@ -170,7 +176,7 @@ def quantize_decoder(model: nn.Module, bits: int, group: int = 32, lm_head: bool
     Embeddings stay in floating point. Returns the number of linears quantized."""
     count = 0
     for layer in model.layers:
-        for name in PROJECTIONS:
+        for name in projections(model.cfg):
             setattr(layer, name, QuantLinear(getattr(layer, name), bits, group, accuracy_level, symmetric=symmetric))
             count += 1
     if lm_head:

@@ -4,6 +4,9 @@ A backend owns its caches, allocated once at load for (max_batch, max_seq_len) a
 `forward` runs one chunk with the graph contract's inputs and returns the logits of one position per
 row, [B, 1, V], as a view of a buffer the backend may reuse on the next call (copy to keep it).
 Positions are the runtime's business, not the backend's: it only writes where it is told.
+`first_row` says which cache rows the B input rows are: first_row .. first_row + B - 1 (0 by default),
+so that a server can run one row's prompt, or a range of rows, while the other rows' caches stay as
+they are (kvedge.serve).
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from kvedge.errors import KvedgeError
 from kvedge.models.config import ModelConfig
 
 
@@ -23,7 +27,7 @@ class Backend(Protocol):
     max_seq_len: int
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
-                logits_index: torch.Tensor) -> torch.Tensor: ...
+                logits_index: torch.Tensor, first_row: int = 0) -> torch.Tensor: ...
 
     def reset(self) -> None: ...
 
@@ -33,6 +37,14 @@ class Backend(Protocol):
         """Bytes of what the backend holds besides its caches: parameters (torch), the graph's initializers
         (onnxruntime, tensorrt), or all the native engine reads (native)."""
         ...
+
+
+def check_rows(backend: Backend, first_row: int, batch: int) -> None:
+    """Refuse cache rows first_row .. first_row + batch - 1 outside [0, max_batch)."""
+    if first_row < 0 or first_row + batch > backend.max_batch:
+        raise KvedgeError(f"rows {first_row}..{first_row + batch - 1} are outside this session's max_batch "
+                          f"{backend.max_batch}" if first_row else
+                          f"batch {batch} exceeds max_batch {backend.max_batch} of this session")
 
 
 class CacheList:

@@ -65,8 +65,9 @@ def calibrate_kv_scales(decoder, rows: torch.Tensor, margin: float = KV_SCALE_MA
     RoPE: the op rotates before writing) and |v| in its cache, times `margin`, / 127."""
     cfg = decoder.cfg
     param = next(decoder.parameters())
-    k_max = [torch.zeros(cfg.num_kv_heads, cfg.head_dim) for _ in range(cfg.num_layers)]
-    v_max = [torch.zeros(cfg.num_kv_heads, cfg.head_dim) for _ in range(cfg.num_layers)]
+    k_shape, v_shape = (shape[1::2] for shape in cfg.cache_shapes(1, 1))  # [Hkv, D]; MLA: [1, d_R], [1, d_c]
+    k_max = [torch.zeros(k_shape) for _ in range(cfg.num_layers)]
+    v_max = [torch.zeros(v_shape) for _ in range(cfg.num_layers)]
     for row in rows:
         row = row.to(param.device)
         cache = KVCache.allocate(cfg, 1, row.numel(), dtype=param.dtype, device=param.device)

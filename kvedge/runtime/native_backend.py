@@ -33,7 +33,7 @@ from torch import nn
 from kvedge.errors import KvedgeError, MissingDependencyError
 from kvedge.models import is_checkpoint, load_decoder, rope
 from kvedge.models.quant import QUANT_BITS, QuantLinear, lm_head_linear, quantize_decoder, unpack_zeros
-from kvedge.runtime.backend import CacheList
+from kvedge.runtime.backend import CacheList, check_rows
 
 SOURCE = Path(__file__).with_name("native") / "kvedge_cpu.c"
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
@@ -251,6 +251,9 @@ def unsupported(cfg) -> list[str]:
         why.append(f"{cfg.positions} positions (the engine has rotary positions only)")
     if cfg.act not in _ACTS:
         why.append(f"activation {cfg.act}")
+    if cfg.mla:
+        why.append("multi-head latent attention (MLA: the engine has no latent cache, nor its absorbed query and "
+                   "output)")
     return why
 
 
@@ -335,13 +338,13 @@ class NativeBackend(CacheList):
                 ly.k_scale, ly.v_scale = keep(ks), keep(vs)
                 ly.k_inv, ly.v_inv = keep(torch.reciprocal(ks)), keep(torch.reciprocal(vs))
         head = model.lm_head if hasattr(model, "lm_head") else lm_head_linear(model)
-        tables = {"global": rope.tables(model.inv_freq.float(), max_seq_len, torch.float32)}
-        if hasattr(model, "inv_freq_local"):  # gemma3's sliding-window layers
-            tables["local"] = rope.tables(model.inv_freq_local.float(), max_seq_len, torch.float32)
-        tables = {kind: tuple(keep(t.contiguous()) for t in pair) for kind, pair in tables.items()}
+        # global[, local (gemma3's sliding layers), long (longrope: the forward picks it, see forward)]
+        tables = {kind: tuple(keep(t.float().contiguous()) for t in pair)
+                  for kind, pair in model.rope_tables(max_seq_len, torch.float32).items()}
         for blk, ly in zip(model.layers, layers):  # each layer's table, none for a layer without RoPE
             ly.cos, ly.sin = tables.get(blk.rope_kind, (0, 0))
-        self._layers = layers
+        self._long = rope.long_switch(cfg), tables.get("global"), tables.get("long"), False
+        self._layers, self._first_row = layers, 0
         self.m = Model(cfg.vocab_size, cfg.hidden_size, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                        cfg.intermediate_size, cfg.rotary_dim // 2, int(cfg.mlp == "glu"), _ACTS[cfg.act],
                        int(cfg.norm_unit_offset), max_batch, max_seq_len,
@@ -358,16 +361,30 @@ class NativeBackend(CacheList):
         seen = {t.data_ptr(): t.numel() * t.element_size() for t in self._keep.tensors}
         return sum(seen.values())
 
+    def _point_at(self, first_row: int) -> None:
+        """Point the engine's caches at row first_row: it reads and writes rows 0..B-1 from there."""
+        for i, ly in enumerate(self._layers):
+            ly.k_cache, ly.v_cache = (self.caches[2 * i + j][first_row].data_ptr() for j in (0, 1))
+        self._first_row = first_row
+
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
-                logits_index: torch.Tensor) -> torch.Tensor:
-        """Run one chunk [B, L]; returns a view of the preallocated logits [B, 1, V] (valid until the next call)."""
+                logits_index: torch.Tensor, first_row: int = 0) -> torch.Tensor:
+        """Run one chunk [B, L] on cache rows first_row..; returns a view of the preallocated logits [B, 1, V]
+        (valid until the next call)."""
         b, length = input_ids.shape
-        if b > self.max_batch:
-            raise KvedgeError(f"batch {b} exceeds max_batch {self.max_batch} of this session")
+        check_rows(self, first_row, b)
+        if first_row != self._first_row:
+            self._point_at(first_row)
         ids, pos, idx = (t.to(torch.int64).contiguous() for t in (input_ids, position_ids, logits_index))
         lo, hi = (int(v) for v in torch.aminmax(pos))  # the engine writes the cache at these: check them
         if lo < 0 or hi >= self.max_seq_len:
             raise KvedgeError(f"positions {lo}..{hi} are outside the cache [0, {self.max_seq_len})")
+        switch, short, long, on = self._long
+        if switch is not None and (hi >= switch) != on:  # longrope: this call's frequency set (Decoder.forward)
+            for blk, ly in zip(self.model.layers, self._layers):
+                if blk.rope_kind == "global":
+                    ly.cos, ly.sin = long if not on else short
+            self._long = switch, short, long, not on
         need = self.dll.kv_scratch_bytes(ctypes.byref(self.m), b, length, self.threads)
         if need > self.scratch.numel():
             self.scratch = torch.empty(need, dtype=torch.uint8)

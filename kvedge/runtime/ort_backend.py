@@ -16,7 +16,7 @@ import torch
 from kvedge.artifact import TOKEN_INPUTS, Sidecar, older, onnx_weight_bytes
 from kvedge.dtypes import NUMPY, to_torch
 from kvedge.errors import KvedgeError, MissingDependencyError
-from kvedge.runtime.backend import CacheList
+from kvedge.runtime.backend import CacheList, check_rows
 
 
 class OrtBackend(CacheList):
@@ -58,13 +58,12 @@ class OrtBackend(CacheList):
         if self.dtype not in NUMPY:
             raise KvedgeError(f"the onnxruntime backend cannot bind {sc.dtype} caches from Python; "
                               f"export with --dtype fp32 or fp16")
-        shape = (self.max_batch, self.cfg.num_kv_heads, self.max_seq_len, self.cfg.head_dim)
-        n = self.cfg.num_layers
         self.cache_dtype = to_torch(sc.cache_dtype)  # the model's dtype, or int8
-        self.caches = [torch.zeros(shape, dtype=self.cache_dtype) for _ in range(2 * n)]  # k0, v0, k1, v1, ...
+        self.caches = [torch.zeros(shape, dtype=self.cache_dtype)  # k0, v0, k1, v1, ... as the graph declares them
+                       for shape in sc.cache_shapes(self.max_batch)]
         self.logits = torch.empty((self.max_batch, 1, self.cfg.vocab_size), dtype=to_torch(sc.logits_dtype))
         self.binding = self.session.io_binding()
-        self._bound_batch = 0
+        self._bound = (0, 0)  # (first_row, batch) the binding holds
 
     def _check_graph(self) -> None:
         sc = self.sidecar
@@ -82,26 +81,26 @@ class OrtBackend(CacheList):
                               f"{got_in[:4]}..., outputs {got_out[:3]}...; sidecar {want_in[:4]}..., "
                               f"{want_out[:3]}...; re-export")
 
-    def _bind(self, batch: int) -> None:
-        """Bind caches (past and present to one buffer) and logits for this batch size."""
+    def _bind(self, first_row: int, batch: int) -> None:
+        """Bind caches (past and present to one buffer) and logits for these cache rows."""
         b = self.binding
         for (name, out), t in zip(self.sidecar.cache_pairs, self.caches):
-            view = t[:batch]  # first rows of a C-contiguous tensor: contiguous, same storage
+            view = t[first_row:first_row + batch]  # rows of a C-contiguous tensor: contiguous, same storage
             shape = list(view.shape)
             b.bind_input(name, "cpu", 0, NUMPY[t.dtype], shape, view.data_ptr())
             b.bind_output(out, "cpu", 0, NUMPY[t.dtype], shape, view.data_ptr())
         lg = self.logits[:batch]
         b.bind_output("logits", "cpu", 0, NUMPY[lg.dtype], list(lg.shape), lg.data_ptr())
-        self._bound_batch = batch
+        self._bound = (first_row, batch)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
-                logits_index: torch.Tensor) -> torch.Tensor:
-        """Run one chunk; returns a view of the preallocated logits [B, 1, V] (valid until the next call)."""
+                logits_index: torch.Tensor, first_row: int = 0) -> torch.Tensor:
+        """Run one chunk on cache rows first_row..; returns a view of the preallocated logits [B, 1, V] (valid
+        until the next call)."""
         batch = input_ids.shape[0]
-        if batch > self.max_batch:
-            raise KvedgeError(f"batch {batch} exceeds max_batch {self.max_batch} of this session")
-        if batch != self._bound_batch:
-            self._bind(batch)
+        check_rows(self, first_row, batch)
+        if (first_row, batch) != self._bound:
+            self._bind(first_row, batch)
         keep = [t.to(torch.int64).contiguous() for t in (input_ids, position_ids, logits_index)]
         for name, t in zip(TOKEN_INPUTS, keep):  # `keep` holds the buffers alive through the run
             self.binding.bind_input(name, "cpu", 0, np.int64, list(t.shape), t.data_ptr())

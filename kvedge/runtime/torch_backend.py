@@ -14,6 +14,7 @@ import torch
 from kvedge.errors import KvedgeError
 from kvedge.models import KVCache, is_checkpoint, load_decoder
 from kvedge.models.attention import attention
+from kvedge.runtime.backend import check_rows
 
 
 def attention_op_for(device: torch.device, fused_attention: bool, kv_dtype: str | None):
@@ -62,14 +63,16 @@ class TorchBackend:
             raise KvedgeError(f"kv_dtype {kv_dtype!r}: the torch backend's cache is the model's dtype or int8")
         self.cache = KVCache.allocate(self.cfg, max_batch, max_seq_len, dtype=cache_dtype, device=self.device,
                                       scales=kv_scales)
-        self.model.attention_op = attention_op_for(self.device, fused_attention, kv_dtype)
+        # the Triton kernels take one head width for q, k and v: MLA's latent attention runs the reference op
+        self.model.attention_op = attention_op_for(self.device, fused_attention and not self.cfg.mla, kv_dtype)
         self.fused = self.model.attention_op is not attention
 
     @torch.inference_mode()
-    def forward(self, input_ids, position_ids, logits_index):
-        d = self.device
-        return self.model(input_ids.to(d), position_ids.to(d), self.cache.for_batch(input_ids.shape[0]),
-                          logit_index=logits_index.to(d)).float()
+    def forward(self, input_ids, position_ids, logits_index, first_row: int = 0):
+        d, b = self.device, input_ids.shape[0]
+        check_rows(self, first_row, b)
+        caches = [(k[first_row:], v[first_row:], *scales) for k, v, *scales in self.cache.for_batch(first_row + b)]
+        return self.model(input_ids.to(d), position_ids.to(d), caches, logit_index=logits_index.to(d)).float()
 
     def reset(self) -> None:
         self.cache.zero_()

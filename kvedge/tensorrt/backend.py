@@ -26,6 +26,7 @@ import torch
 from kvedge.artifact import TOKEN_INPUTS, Sidecar, onnx_weight_bytes
 from kvedge.dtypes import to_torch
 from kvedge.errors import KvedgeError, require
+from kvedge.runtime.backend import check_rows
 from kvedge.tensorrt.buffers import buffer_plan, in_place_cache
 from kvedge.tensorrt.plugin import register_plugins
 from kvedge.tensorrt.versions import select_path
@@ -89,6 +90,10 @@ class TrtBackend:
         trt = require("tensorrt", "tensorrt", "the TensorRT backend")
         self.dir = Path(export_dir)
         self.sidecar = sc = Sidecar.read(self.dir)
+        if sc.model.mla:  # its buffers and row strides assume one shape for key and value caches
+            raise KvedgeError(f"{self.dir}: a multi-head latent attention (MLA) export, whose key and value caches "
+                              f"differ in width (d_R, d_c): the TensorRT backend does not run MLA yet; use the "
+                              f"onnxruntime backend")
         engine_path = self.dir / "model.engine"
         if not engine_path.is_file():
             raise KvedgeError(f"{self.dir}: no model.engine; run `kvedge build {self.dir}` on this device first")
@@ -153,8 +158,15 @@ class TrtBackend:
         return onnx_weight_bytes(self.dir, self.sidecar)
 
     @torch.inference_mode()
-    def forward(self, input_ids, position_ids, logits_index):
+    def forward(self, input_ids, position_ids, logits_index, first_row: int = 0):
         b, l = input_ids.shape
+        check_rows(self, first_row, b)
+        if first_row and not self.in_place:
+            raise KvedgeError("this TensorRT path double-buffers the cache (present is another buffer, swapped "
+                              "after each step), so it runs cache rows from 0 only; kvedge serve needs an in-place "
+                              "cache (TensorRT's own KV-cache update, or the plugin lowering)")
+        row_bytes = self.cfg.num_kv_heads * self.max_seq_len * self.cfg.head_dim * to_torch(
+            self.sidecar.cache_dtype).itemsize
         ctx = self.contexts[1 if l == 1 else 0]
         staged = [t.to("cuda", dt).contiguous() for t, dt in zip((input_ids, position_ids, logits_index),
                                                                   self._index_dtypes)]
@@ -164,8 +176,8 @@ class TrtBackend:
         for pair in self._pairs:
             past, present, a, bptr = pair
             ctx.set_input_shape(past, (b, self.cfg.num_kv_heads, self.max_seq_len, self.cfg.head_dim))
-            ctx.set_tensor_address(past, a)
-            ctx.set_tensor_address(present, bptr)
+            ctx.set_tensor_address(past, a + first_row * row_bytes)
+            ctx.set_tensor_address(present, bptr + first_row * row_bytes)
         ctx.set_tensor_address("logits", self.logits.data_ptr())
         stream = self.alloc.stream_handle()
         wait_for_torch(stream)

@@ -6,6 +6,7 @@ to TensorRT.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from kvedge.artifact import TOKEN_INPUTS, Sidecar
@@ -23,20 +24,18 @@ class Profile:
 def profiles(sc: Sidecar, max_batch: int | None = None, max_prefill_len: int | None = None) -> list[Profile]:
     """Two optimization profiles over the contract's inputs: prefill (1..max_prefill_len tokens) and
     decode (exactly 1 token). The cache's sequence axis is fixed at max_seq_len in both."""
-    cfg = sc.model
     b = max_batch or sc.max_batch
     lp = max_prefill_len or min(512, sc.max_seq_len)
     if b > sc.max_batch:
         raise KvedgeError(f"--max-batch {b} exceeds the export's max_batch {sc.max_batch}")
     if not 1 <= lp <= sc.max_seq_len:
         raise KvedgeError(f"--max-prefill-len {lp} must be in [1, {sc.max_seq_len}]")
-    cache = (cfg.num_kv_heads, sc.max_seq_len, cfg.head_dim)
     out = []
     for name, lo, opt, hi in (("prefill", 1, max(1, lp // 2), lp), ("decode", 1, 1, 1)):
         ids, last = ((1, lo), (b, opt), (b, hi)), ((1,), (b,), (b,))
         shapes = dict(zip(TOKEN_INPUTS, (ids, ids, last)))
-        for past, _ in sc.cache_pairs:
-            shapes[past] = ((1, *cache), (b, *cache), (b, *cache))
+        for (past, _), cache in zip(sc.cache_pairs, sc.cache_shapes(b)):  # (MLA: keys and values of two widths)
+            shapes[past] = ((1, *cache[1:]), cache, cache)
         out.append(Profile(name, shapes))
     return out
 
@@ -63,9 +62,9 @@ def buffer_plan(sc: Sidecar, path: TrtPath, max_batch: int | None = None,
     cfg = sc.model
     b = max_batch or sc.max_batch
     lp = max_prefill_len or min(512, sc.max_seq_len)
-    cache_bytes = int(b * cfg.num_kv_heads * sc.max_seq_len * cfg.head_dim * nbytes(sc.cache_dtype))
     plan: list[Buffer] = []
-    for past, present in sc.cache_pairs:
+    for (past, present), shape in zip(sc.cache_pairs, sc.cache_shapes(b)):
+        cache_bytes = int(math.prod(shape) * nbytes(sc.cache_dtype))
         if in_place_cache(sc, path):
             plan.append(Buffer(past, cache_bytes, "cache-inplace", (past, present)))
         else:

@@ -4,7 +4,6 @@ over int8 caches bound in place, and the refusals."""
 from __future__ import annotations
 
 import json
-import types
 
 import onnx
 import pytest
@@ -13,7 +12,7 @@ import torch
 from kvedge.errors import KvedgeError
 from kvedge.export import ExportOptions, export
 from kvedge.runtime.calibration import calibration_rows
-from kvedge.models import KVCache, load_decoder
+from kvedge.models import KVCache, ModelConfig, load_decoder
 from kvedge.runtime.calibration import calibrate_kv_scales
 from kvedge.runtime import Session
 from kvedge.runtime.ort_backend import OrtBackend
@@ -66,7 +65,8 @@ def test_int8_cache_export_matches_the_int8_reference_and_stays_close_to_the_flo
 def test_calibration_takes_max_abs_per_layer_kv_head_and_channel_times_the_margin_over_127():
     """The rule of docs/quantization.md, on a cache built by hand: per layer, KV head and channel, the largest |k|
     and |v| over every row and position, times the margin 1.5, / 127; a channel never written gets 1e-8."""
-    cfg = types.SimpleNamespace(num_layers=2, num_kv_heads=2, head_dim=3)
+    cfg = ModelConfig(arch="llama", vocab_size=16, hidden_size=6, num_layers=2, num_heads=2, num_kv_heads=2, head_dim=3,
+                      intermediate_size=4, positions="learned")  # the cache's shape is what matters here
     planted = {  # (row, layer, side, head, position, channel) -> value written into the cache
         (0, 0, "k", 0, 1, 0): 2.54, (1, 0, "k", 0, 2, 0): -1.27,  # the larger |k| is in the first row
         (1, 0, "k", 1, 0, 2): -6.35,  # a negative one

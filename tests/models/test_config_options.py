@@ -3,7 +3,10 @@ their transformers 4.x forms, and the refusals. (The parity tests prove the opti
 
 from __future__ import annotations
 
+import math
+
 import pytest
+import torch
 
 from kvedge.errors import ConfigError
 from kvedge.models.config import ModelConfig
@@ -50,3 +53,29 @@ def test_granite_needs_its_attention_multiplier_and_olmo2_has_post_norms_only():
     assert (c.attn_scale, c.embed_scale, c.residual_scale, c.logits_divisor) == (0.5, 2.0, 0.25, 3.0)
     c = cfg("olmo2")
     assert (c.pre_norms, c.post_norms, c.qk_norm, c.qk_norm_scope) == (False, True, True, "all")
+
+
+def test_phi3_longrope_reads_as_transformers_does(hf_checkpoint):
+    """Factor (max / original positions), attention factor, and both frequency sets against transformers'
+    own rotary embedding; the 4.x key form; refusals."""
+    from kvedge.models import load_decoder
+
+    path, hf = hf_checkpoint("phi3-longrope")
+    model = load_decoder(path)
+    rot = hf.model.rotary_emb
+    assert model.cfg.rope_scaling["attention_factor"] == pytest.approx(rot.attention_scaling, rel=1e-7)
+    assert model.cfg.rope_scaling["factor"] == 4.0  # max_position_embeddings 64 / original 16
+    torch.testing.assert_close(model.inv_freq, rot.original_inv_freq, rtol=1e-6, atol=0)
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    long_freq, _ = ROPE_INIT_FUNCTIONS["longrope"](hf.config, None, seq_len=17)  # transformers' set past 16
+    torch.testing.assert_close(model.inv_freq_long, long_freq, rtol=1e-6, atol=0)
+    assert not torch.allclose(model.inv_freq, model.inv_freq_long)
+    short, long = [1.0, 2.0, 3.0, 4.0], [5.0, 6.0, 7.0, 8.0]
+    c = cfg("phi3", max_position_embeddings=4096, original_max_position_embeddings=1024,
+            rope_scaling={"type": "longrope", "short_factor": short, "long_factor": long})  # transformers 4.x
+    assert c.rope_scaling["attention_factor"] == pytest.approx((1 + math.log(4) / math.log(1024)) ** 0.5)
+    with pytest.raises(ConfigError, match="needs a list 'long_factor'"):
+        cfg("phi3", rope_scaling={"type": "longrope", "short_factor": short})
+    with pytest.raises(ConfigError, match="differ in length"):
+        cfg("phi3", rope_scaling={"type": "longrope", "short_factor": short, "long_factor": long[:3]})

@@ -11,19 +11,21 @@ import pytest
 import torch
 
 from kvedge.errors import CheckpointError, ConfigError
-from kvedge.models import KVCache, load_config, load_decoder
+from kvedge.models import KVCache, load_config, load_decoder, rope
 from kvedge.models.gguf import QUANT_TYPES, write_hf_folder
 from kvedge.models.quant import QuantLinear, dequantize
 from tests.conftest import ARCH_CASES
-from tests.gguf_files import (gguf_state_dict, llama_unpermute, save_hf_checkpoint, transformers_reference,
-                              write_gguf)
+from tests.gguf_files import (GGUF_ARCH, PERMUTED_QK, gguf_state_dict, llama_unpermute, save_hf_checkpoint,
+                              transformers_reference, write_gguf)
 from tests.models.test_hf_parity import greedy
 
 TOL = 1e-4
 PROMPT, STEPS = 12, 6
 # name -> (model_type, overrides): one per architecture llama.cpp writes and kvedge reads, each a model the
 # converter round-trips (conftest's llama3 case has original_max_position_embeddings 32, which the converter
-# replaces by 8192; llama.cpp scales gemma2's queries by head_dim, so query_pre_attn_scalar = head_dim here)
+# replaces by 8192; llama.cpp scales gemma2's and gemma3's queries by head_dim, so query_pre_attn_scalar =
+# head_dim here; llama.cpp hard-codes gemma3's every-6th-layer-global pattern and smollm3's every-4th-layer NoPE,
+# so those cases have 6 and 4 layers with transformers' default layer types, which are those patterns)
 CASES = {
     "llama-tied": ("llama", dict(num_key_value_heads=2, tie_word_embeddings=True)),
     "llama-gqa2-bias": ARCH_CASES["llama-gqa2-bias"],
@@ -37,6 +39,16 @@ CASES = {
     "gemma": ARCH_CASES["gemma"],
     "gemma2": ("gemma2", {**ARCH_CASES["gemma2"][1], "query_pre_attn_scalar": 16}),
     "phi3-partialrope": ARCH_CASES["phi3-partialrope"],
+    "phi3-longrope": ARCH_CASES["phi3-longrope"],
+    # sliding layers on RoPE base 100, the global one (layer 5) on 10000 with linear scaling, a final softcap
+    "gemma3": ("gemma3_text", dict(num_attention_heads=4, head_dim=16, sliding_window=8, query_pre_attn_scalar=16,
+                                   num_hidden_layers=6, final_logit_softcapping=10.0,
+                                   rope_parameters={"sliding_attention": dict(rope_type="default", rope_theta=100.0),
+                                                    "full_attention": dict(rope_type="linear", factor=2.0,
+                                                                           rope_theta=10000.0)})),
+    "olmo2": ARCH_CASES["olmo2-postnorm"],
+    "granite": ARCH_CASES["granite-multipliers"],
+    "smollm3": ("smollm3", dict(num_hidden_layers=4)),  # no_rope_layers [1, 1, 1, 0]
     # rows of 256 values, for the K-quants
     "llama-256": ("llama", dict(hidden_size=256, intermediate_size=512, num_key_value_heads=2, head_dim=32)),
 }
@@ -77,9 +89,11 @@ def gguf_file(tmp_path_factory, hf_model):
 
 
 def reference(case, path, hf_model):
+    from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
+
     ckpt, hf = hf_model(case)
-    if CASES[case][0] == "gemma":  # transformers' GGUF reader refuses gemma: the test reads the file itself
-        from transformers import AutoModelForCausalLM
+    if GGUF_ARCH[CASES[case][0]] not in GGUF_CONFIG_MAPPING:  # transformers' GGUF reader refuses gemma, olmo2,
+        from transformers import AutoModelForCausalLM  # granite, smollm3: the test reads the file itself
 
         model = AutoModelForCausalLM.from_config(hf.config, attn_implementation="eager")
         missing, unexpected = model.load_state_dict(gguf_state_dict(path, ckpt), strict=False)
@@ -89,14 +103,23 @@ def reference(case, path, hf_model):
 
 
 def assert_matches(model, ref, vocab, seed=1):
-    """Prefill and greedy decode through kvedge's cache against the reference, teacher-forced."""
+    """Prefill and greedy decode through kvedge's cache against the reference, teacher-forced (with longrope,
+    through the reference's own cache: its frequencies switch per forward, as test_hf_parity explains)."""
     prompt = torch.randint(3, vocab, (1, PROMPT), generator=torch.Generator().manual_seed(seed))
     tokens, step_logits = greedy(model, prompt, STEPS, KVCache.allocate(model.cfg, 1, PROMPT + STEPS))
-    full = ref(torch.cat([prompt, tokens], 1)).logits
-    want = full[:, PROMPT - 1:PROMPT - 1 + STEPS]
+    if rope.long_switch(model.cfg) is None:
+        full = ref(torch.cat([prompt, tokens], 1)).logits
+        want_prefill, want = full[:, :PROMPT], full[:, PROMPT - 1:PROMPT - 1 + STEPS]
+    else:
+        out = ref(prompt, use_cache=True)
+        want_prefill, want = out.logits, [out.logits[:, -1]]
+        for s in range(STEPS - 1):
+            out = ref(tokens[:, s:s + 1], past_key_values=out.past_key_values, use_cache=True)
+            want.append(out.logits[:, -1])
+        want = torch.stack(want, 1)
     assert (step_logits - want).abs().max().item() < TOL
     got_prefill = model(prompt, torch.arange(PROMPT)[None], KVCache.allocate(model.cfg, 1, PROMPT).for_batch(1))
-    assert (got_prefill - full[:, :PROMPT]).abs().max().item() < TOL
+    assert (got_prefill - want_prefill).abs().max().item() < TOL
 
 
 def gguf_parts(cfg, module):
@@ -119,9 +142,9 @@ def gguf_values(path, cfg, names):
     for name in names:
         t = tensors[name]
         w = gguf.quants.dequantize(t.data, t.tensor_type).reshape(tuple(reversed(t.shape.tolist())))
-        if cfg.arch in ("llama", "mistral") and ".attn_q." in name:
+        if GGUF_ARCH[cfg.arch] in PERMUTED_QK and ".attn_q." in name:
             w = llama_unpermute(w, cfg.num_heads, cfg.num_heads)
-        if cfg.arch in ("llama", "mistral") and ".attn_k." in name:
+        if GGUF_ARCH[cfg.arch] in PERMUTED_QK and ".attn_k." in name:
             w = llama_unpermute(w, cfg.num_heads, cfg.num_kv_heads)
         out.append(torch.from_numpy(np.array(w, dtype=np.float32)))
     return torch.cat(out)
@@ -174,7 +197,8 @@ def test_every_type_loads_exactly_and_matches_transformers(qtype, hf_model, gguf
 
 @pytest.mark.parametrize("case,qtype", [("qwen2-bias", "Q8_0"), ("qwen3-qknorm", "Q5_1"), ("gemma2", "Q4_0"),
                                         ("phi3-partialrope", "Q4_1"), ("mistral-window", "Q5_0"),
-                                        ("llama-tied", "Q4_0")])
+                                        ("llama-tied", "Q4_0"), ("phi3-longrope", "Q8_0"), ("gemma3", "Q4_1"),
+                                        ("olmo2", "Q5_0"), ("granite", "Q4_0"), ("smollm3", "Q8_0")])
 def test_quantized_files_of_each_architecture(case, qtype, hf_model, gguf_file):
     path = gguf_file(case, qtype)
     model = load_decoder(path)
@@ -222,7 +246,8 @@ def test_ieee_identities_the_exact_dequantization_rests_on():
 
 
 # -- a Hugging Face folder ------------------------------------------------------------------------------------
-@pytest.mark.parametrize("case,qtype", [("llama-gqa2-bias", "Q4_1"), ("gemma2", "F16"), ("phi3-partialrope", "Q8_0")])
+@pytest.mark.parametrize("case,qtype", [("llama-gqa2-bias", "Q4_1"), ("gemma2", "F16"), ("phi3-partialrope", "Q8_0"),
+                                        ("gemma3", "Q4_1"), ("phi3-longrope", "Q8_0")])
 def test_write_hf_folder_holds_the_files_values(case, qtype, gguf_file, tmp_path):
     from transformers import AutoModelForCausalLM
 
@@ -302,6 +327,60 @@ def test_rope_frequency_factors_other_than_llama3s_are_refused(hf_model, tmp_pat
     f = write_gguf(tmp_path / "m.gguf", ckpt, extra=lambda w: w.add_tensor("rope_freqs.weight", factors))
     with pytest.raises(ConfigError, match=r"rope_freqs\.weight: RoPE frequency factors .* are not those of Llama 3"):
         load_config(f)
+
+
+# -- what llama.cpp hard-codes, and what it writes that kvedge refuses ----------------------------------------
+def _keys(drop=(), **add):
+    """write_gguf's extra: drop metadata keys the converter wrote, then add others ({arch}. is prefixed)."""
+    def extra(w):
+        for k in drop:
+            del w.kv_data[0][f"{w.arch}.{k}"]
+        for name, value in add.items():
+            getattr(w, f"add_{name}")(value)
+    return extra
+
+
+@pytest.mark.parametrize("extra,want", [
+    # ggml-org/llama.cpp src/models/gemma3.cpp load_arch_hparams -> load_swa_pattern (src/llama-model.cpp): the
+    # pattern key as one flag per layer, or as n (every n-th layer global); the converter writes neither
+    (_keys(sliding_window_pattern=[True, False, True, True, False, True]),
+     dict(layer_windows=[8, None, 8, 8, None, 8], rope_local_theta=100.0)),
+    (_keys(sliding_window_pattern=3), dict(layer_windows=[8, 8, None, 8, 8, None])),
+    # rope.freq_base_swa: written by the converter's TextModel from the sliding layers' rope_theta; absent
+    # (files of older converters), llama.cpp's rope_freq_base_train_swa default, 10000 (src/llama-hparams.h)
+    (_keys(drop=["rope.freq_base_swa"]), dict(rope_local_theta=10000.0, layer_windows=[8] * 5 + [None])),
+    # 27B (62 layers): queries by 1/sqrt(hidden / heads) = 1/sqrt(32), not 1/sqrt(head_dim 16); the default
+    # pattern 6 over 62 layers
+    (_keys(drop=["block_count", "attention.head_count"], block_count=62, head_count=2),
+     dict(attn_scale=32 ** -0.5, layer_windows=[None if i % 6 == 5 else 8 for i in range(62)])),
+])
+def test_gemma3_metadata_is_read_as_llama_cpp_reads_it(extra, want, hf_model, tmp_path):
+    cfg = load_config(write_gguf(tmp_path / "m.gguf", hf_model("gemma3")[0], extra=extra))
+    assert {k: getattr(cfg, k) for k in want} == want
+    assert cfg.rope_theta == 10000.0 and cfg.rope_scaling == {"rope_type": "linear", "factor": 2.0}
+
+
+def test_smollm3_and_gemma3_layer_patterns_are_llama_cpps_hard_coded_ones(hf_model, gguf_file):
+    """Neither no_rope_layers nor gemma3's layer types are in the file: llama.cpp runs every 4th smollm3 layer
+    without RoPE (src/models/smollm3.cpp, n_no_rope_layer_step = 4) and every 6th gemma3 layer global."""
+    assert load_config(gguf_file("smollm3")).layer_rope == [True, True, True, False]
+    assert load_config(gguf_file("gemma3")).layer_windows == [8, 8, 8, 8, 8, None]
+
+
+@pytest.mark.parametrize("case,extra,drop,match", [
+    ("olmo2", _keys(sliding_window=8), (), r"olmo2\.attention\.sliding_window is set: an OLMo 3 file"),
+    ("granite", _keys(rope_scaling_finetuned=False), (), r"granite\.rope\.scaling\.finetuned is false, which "
+                                                          r"llama\.cpp reads as no RoPE in any layer"),
+    ("granite", _keys(drop=["logit_scale"]), (), r"the GGUF metadata has no granite\.logit_scale"),
+    ("gemma3", _keys(drop=["attention.sliding_window"]), (), r"gemma3 without a sliding_window is not supported"),
+    ("phi3-longrope", None, ("rope_factors_short.weight",),
+     r"tensor rope_factors_short\.weight is missing; LongRoPE needs rope_factors_short and rope_factors_long"),
+])
+def test_files_kvedge_cannot_run_faithfully_are_refused_by_name(case, extra, drop, match, hf_model, tmp_path):
+    f = write_gguf(tmp_path / "m.gguf", hf_model(case)[0], extra=extra, drop=drop)
+    for call in (lambda: load_config(f), lambda: load_decoder(f)):
+        with pytest.raises(ConfigError, match=match):
+            call()
 
 
 # -- the native engine on the file's integers ---------------------------------------------------------------

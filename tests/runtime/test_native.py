@@ -28,7 +28,7 @@ from kvedge.models import KVCache, load_decoder
 from kvedge.models.quant import QuantLinear, dequantize, lm_head_linear, pack, quantize_decoder
 from kvedge.runtime import Session, load
 from kvedge.runtime.native_backend import FLAGS, KERNELS, NativeBackend, _Keep, compile_engine, pack_linear
-from tests.conftest import ARCH_CASES, MAX_SEQ
+from tests.conftest import ARCH_CASES, MAX_SEQ, MLA_CASES
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
                                 reason="the native engine needs a C compiler")
@@ -165,7 +165,7 @@ def test_pack_refuses_groups_that_are_not_whole_sub_blocks(engine):
         pack_linear(engine, mod, _Keep())
 
 
-NATIVE_CASES = [c for c in ARCH_CASES if c != "gpt2"]
+NATIVE_CASES = [c for c in ARCH_CASES if c != "gpt2" and c not in MLA_CASES]  # the engine refuses both (test_refusals)
 
 
 def _run(model, backend_or_cache, ids, pos, index):
@@ -284,6 +284,9 @@ def test_default_int4_load_generates_and_its_first_token_is_float32s(hf_checkpoi
 def test_refusals(hf_checkpoint):
     with pytest.raises(KvedgeError, match="layer norms"):
         NativeBackend(hf_checkpoint("gpt2")[0])
+    with pytest.raises(KvedgeError, match=r"cannot run this deepseek_v2 model: multi-head latent attention \(MLA.*use "
+                                          r"the onnxruntime or torch backend"):
+        NativeBackend(hf_checkpoint("deepseek_v2-mla")[0])
     path, _ = hf_checkpoint("llama-mha")
     with pytest.raises(KvedgeError, match="quantize 'int3'"):
         NativeBackend(path, quantize="int3")
@@ -389,6 +392,24 @@ def test_long_ragged_decode_equals_torch(case, threads, batch, flags, lasts, hf_
     _ragged_prefill_then_decode(model, native, cache, torch.Generator().manual_seed(7), 50, lasts, 5)
     for mine, ref in zip(native.caches[0::2] + native.caches[1::2], cache.keys + cache.values):
         torch.testing.assert_close(mine, ref, rtol=0, atol=1e-5 * float(ref.abs().max()))
+
+
+def test_longrope_switches_tables_per_call_as_the_pytorch_decoder(hf_checkpoint):
+    """longrope: short frequencies until a call reaches original_max_position_embeddings (16), long ones from
+    there, short again for a new prompt: the engine swaps its tables per call as Decoder.forward does."""
+    path, _ = hf_checkpoint("phi3-longrope")
+    model = load_decoder(path, dtype="float32")
+    native = NativeBackend(path, max_batch=1, max_seq_len=MAX_SEQ, threads=2, model=model)
+    cache = KVCache.allocate(model.cfg, 1, MAX_SEQ, dtype=torch.float32)
+    g = torch.Generator().manual_seed(8)
+    for prompt, steps in ((10, 10), (8, 2), (20, 2)):  # crossing in decode; short again; long from the prompt on
+        chunks = [(torch.randint(3, model.cfg.vocab_size, (1, prompt), generator=g), torch.arange(prompt)[None],
+                   torch.tensor([prompt - 1]))]
+        chunks += [(torch.randint(3, model.cfg.vocab_size, (1, 1), generator=g), torch.tensor([[prompt + i]]),
+                    torch.zeros(1, dtype=torch.long)) for i in range(steps)]
+        for ids, pos, idx in chunks:
+            got, want = _run(model, native, ids, pos, idx), _run(model, cache, ids, pos, idx)
+            assert (got - want).abs().max() <= 1e-5 * want.abs().max(), f"prompt {prompt}, position {int(pos[0, -1])}"
 
 
 @pytest.mark.parametrize("case", ["awq", "gptq", "gptq-8bit"])

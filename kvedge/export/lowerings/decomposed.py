@@ -2,7 +2,8 @@
 
 For TensorRT 8.6-10.14 (JetPack 5 and 6) and any ONNX runtime. GQA stays GQA: the query heads are
 viewed as [B, Hkv, G, L, D] and broadcast against the [B, Hkv, 1, S, D] cache; K/V are never
-repeated. The cache write is a ScatterElements along the sequence axis.
+repeated. The cache write is a ScatterElements along the sequence axis. MLA is the same graph with one KV
+head whose key is the two caches concatenated, [k_rope, c_kv], and whose value is c_kv.
 """
 
 from __future__ import annotations
@@ -21,14 +22,16 @@ def unsupported_quant(bits: int) -> list[str]:
 
 def translate(q, k, v, k_cache, v_cache, positions, scale: float, window: int, softcap: float, cos=None, sin=None):
     hq, d = q.shape[1], q.shape[3]
-    hkv = k_cache.shape[1]
+    hkv, dv = k_cache.shape[1], v_cache.shape[3]
     q, k = rope(q, cos, sin, positions), rope(k, cos, sin, positions)
-    index = op.Expand(op.Unsqueeze(positions, const([1, 3])), op.Shape(k))  # [B, Hkv, L, D]
-    present_k = op.ScatterElements(k_cache, index, k, axis=2)
-    present_v = op.ScatterElements(v_cache, index, v, axis=2)
+    at = op.Unsqueeze(positions, const([1, 3]))
+    present_k = op.ScatterElements(k_cache, op.Expand(at, op.Shape(k)), k, axis=2)  # index [B, Hkv, L, D]
+    present_v = op.ScatterElements(v_cache, op.Expand(at, op.Shape(v)), v, axis=2)
     length = kv_len(positions)
-    keys = op.Unsqueeze(live(present_k, length), const([2]))  # [B, Hkv, 1, S, D]
-    values = op.Unsqueeze(live(present_v, length), const([2]))
+    keys, values = live(present_k, length), live(present_v, length)
+    if d != k_cache.shape[3]:  # MLA: the key is [k_rope, c_kv] (kvedge.models.attention)
+        keys = op.Concat(keys, values, axis=3)
+    keys, values = op.Unsqueeze(keys, const([2])), op.Unsqueeze(values, const([2]))  # [B, Hkv, 1, S, D]
     qg = op.Reshape(q, const([0, hkv, hq // hkv, -1, d]))  # [B, Hkv, G, L, D]
     scores = op.MatMul(qg, op.Transpose(keys, perm=[0, 1, 2, 4, 3]))
     scores = op.Cast(scores, to=1)  # softmax in float32
@@ -39,7 +42,7 @@ def translate(q, k, v, k_cache, v_cache, positions, scale: float, window: int, s
     mask = op.Unsqueeze(visible(positions, length, window), const([1, 2]))  # [B, 1, 1, L, S]
     scores = op.Where(mask, scores, fconst(-np.inf))
     probs = op.CastLike(op.Softmax(scores, axis=-1), q)
-    out = op.Reshape(op.MatMul(probs, values), const([0, hq, -1, d]))
+    out = op.Reshape(op.MatMul(probs, values), const([0, hq, -1, dv]))
     return out, present_k, present_v
 
 

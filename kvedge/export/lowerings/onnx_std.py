@@ -3,7 +3,9 @@
 Runs on ONNX Runtime and is meant for TensorRT >= 10.15, whose parser maps `Attention` to its fused
 attention layer and `TensorScatter` to its KV-cache update. The Attention node gets no
 past_key/past_value inputs (TensorRT's parser rejects them): the cache is written first, then
-attended over with an explicit boolean mask. GQA is native to Attention (K/V carry Hkv heads).
+attended over with an explicit boolean mask. GQA is native to Attention (K/V carry Hkv heads). MLA is one
+Attention with one KV head whose key is the two caches concatenated, [k_rope, c_kv] (d_R + d_c), and whose value
+is c_kv (d_c): Attention takes a value head size other than the query's.
 Quantized linears: blocked DequantizeLinear (UINT8 / UINT4 with zero points) + MatMul, see
 translate_qlinear; ONNX Runtime runs them, TensorRT does not (it is symmetric only).
 """
@@ -126,6 +128,7 @@ def finalize(proto) -> None:
 
 
 def translate(q, k, v, k_cache, v_cache, positions, scale: float, window: int, softcap: float, cos=None, sin=None):
+    latent = q.shape[3] != k_cache.shape[3]  # MLA: the key is [k_rope, c_kv] (kvedge.models.attention)
     q, k = rope(q, cos, sin, positions), rope(k, cos, sin, positions)
     start = op.Gather(positions, const(0), axis=1)  # [B]: each row's first position
     # axis -2 (the sequence axis of [B, Hkv, S, D]): TensorRT's parser takes no other (onnx-tensorrt operators.md)
@@ -133,8 +136,10 @@ def translate(q, k, v, k_cache, v_cache, positions, scale: float, window: int, s
     present_v = op24.TensorScatter(v_cache, v, start, axis=-2)
     length = kv_len(positions)
     mask = op.Unsqueeze(visible(positions, length, window), const([1]))  # [B, 1, L, S]
-    out = op24.Attention(q, live(present_k, length), live(present_v, length), mask, scale=scale,
-                         softmax_precision=1)[0]  # the optional outputs are pruned after export
+    keys, values = live(present_k, length), live(present_v, length)
+    if latent:
+        keys = op.Concat(keys, values, axis=3)
+    out = op24.Attention(q, keys, values, mask, scale=scale, softmax_precision=1)[0]  # optional outputs: pruned
     return out, present_k, present_v
 
 

@@ -123,6 +123,10 @@ def unsupported_affine(bits: int) -> list[str]:
 
 
 def unsupported(cfg: ModelConfig) -> list[str]:
+    if cfg.mla:  # its query, key and value are [B, L, heads * head_size] with one head_size for all three
+        return [f"multi-head latent attention (MLA): GroupQueryAttention takes one head size for q, k and v, while "
+                f"attention over MLA's latent has keys of d_R + d_c = {cfg.head_dim + cfg.value_dim} and values of "
+                f"d_c = {cfg.value_dim}"]
     # GroupQueryAttention fails at run time otherwise ("head_size must be a multiple of 8", onnxruntime 1.32)
     return [] if cfg.head_dim % 8 == 0 else [f"head_dim {cfg.head_dim} is not a multiple of 8, which ONNX Runtime's "
                                              "GroupQueryAttention requires"]

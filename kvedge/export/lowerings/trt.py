@@ -45,6 +45,9 @@ kvedge_ops = Opset(PLUGIN_NAMESPACE, 1)
 
 
 def unsupported(cfg: ModelConfig) -> list[str]:
+    if cfg.mla:
+        return ["multi-head latent attention (MLA): the plugin's kernels take one head width for q, k and v, while "
+                "attention over MLA's latent has keys of d_R + d_c and values of d_c"]
     return [] if cfg.head_dim <= 256 else [f"head_dim {cfg.head_dim} > 256"]
 
 

@@ -1,0 +1,288 @@
+"""The scheduler of `kvedge serve`: one thread owns the backend and steps every request in flight together.
+
+Continuous batching over the backend's cache rows (its max_batch):
+- Admission: at each step boundary, waiting requests take free rows, oldest first. At most `max_queue`
+  requests wait; past that, `submit` raises QueueFull at once (the server's 429).
+- Prefill: a row's prompt runs on that row alone (Backend.forward's first_row), in chunks cut at fixed
+  offsets 0, C, 2C, ... (C = chunk_size). A step runs chunks of the oldest prefilling requests, at least
+  one and at most C tokens in all, then one decode step, so rows already decoding keep getting a token
+  per step while a long prompt goes in.
+- Decode: one forward over the cache rows lo..hi spanning every decoding row. A row in that span that is
+  not decoding gets a padding token at its next free slot (a free row: at slot 0); it lands past the
+  row's last token, where nothing reads it before that row's own next chunk or token overwrites it.
+- A row is freed when its request ends (max_tokens, an end-of-sequence token, a stop string) or is
+  cancelled (its client went away); the next waiting request takes it at the next step boundary.
+
+Batching does not change results: a request's chunks are the same whatever else runs, a backend computes a
+row from that row's inputs and cache only, and each request samples with its own generator (tests/serve
+check the tokens alone and among others against a plain Session).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import random
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from kvedge.errors import KvedgeError
+from kvedge.runtime.backend import Backend
+from kvedge.runtime.sampling import SamplingParams, next_tokens
+from kvedge.runtime.tokenizer import Tokenizer
+
+
+log = logging.getLogger("kvedge.serve")
+
+
+class QueueFull(KvedgeError):
+    """Every cache row is busy and the waiting queue is full."""
+
+
+@dataclass
+class Event:
+    """What a request gets from the scheduler, in order: one event a token with the text it made certain (empty
+    while a character is incomplete or a stop string may be starting), then one with finish set ("stop",
+    "length" or "error", with the error's message)."""
+
+    text: str = ""
+    finish: str | None = None
+    error: str = ""
+    completion_tokens: int = 0
+
+
+@dataclass(eq=False)
+class Job:
+    """One request. `emit` is called on the scheduler's thread with each Event (the last has finish set)."""
+
+    prompt: list[int]
+    max_tokens: int
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop: tuple[str, ...] = ()
+    eos: frozenset[int] = frozenset()
+    emit: Callable[[Event], None] = lambda event: None
+    cancelled: bool = False  # set by any thread (Scheduler.cancel); the scheduler frees the row
+    # the scheduler's own state
+    row: int = -1
+    filled: int = 0  # prompt tokens in the cache
+    tokens: list[int] = field(default_factory=list)
+    sent: int = 0  # characters of the text already emitted
+    finish: str | None = None
+    order: int = 0
+    generator: torch.Generator | None = None
+    seen: torch.Tensor | None = None  # [1, V] bool: tokens so far, for the repetition penalty
+    arrived: float = field(default_factory=time.perf_counter)
+    last_token_at: float = 0.0
+
+
+class Scheduler:
+    def __init__(self, backend: Backend, tokenizer: Tokenizer, *, max_queue: int = 16, chunk_size: int = 64,
+                 metrics=None):
+        if max_queue < 0 or chunk_size < 1:
+            raise KvedgeError(f"max_queue must be >= 0 and chunk_size >= 1, got {max_queue} and {chunk_size}")
+        self.backend, self.tokenizer, self.metrics = backend, tokenizer, metrics
+        self.max_queue, self.chunk_size = max_queue, chunk_size
+        self.rows: list[Job | None] = [None] * backend.max_batch
+        self.waiting: deque[Job] = deque()
+        self._cond = threading.Condition()
+        self._order = itertools.count()
+        self._closed = False
+        self._thread: threading.Thread | None = None
+        if metrics is not None:
+            metrics.watch(self)
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.backend.max_seq_len
+
+    @property
+    def running(self) -> int:
+        return sum(job is not None for job in self.rows)
+
+    # -- called from any thread ----------------------------------------------------------------------------
+    def check(self, job: Job) -> None:
+        """Raise KvedgeError (the server's 400) unless the job can run: ids in the vocabulary, prompt +
+        max_tokens within the cache."""
+        v, n = self.backend.cfg.vocab_size, len(job.prompt)
+        if n == 0:
+            raise KvedgeError("the prompt is empty")
+        bad = next((t for t in job.prompt if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < v), None)
+        if bad is not None:
+            raise KvedgeError(f"token id {bad!r} of the prompt is outside the vocabulary [0, {v})")
+        seed = job.sampling.seed
+        if seed is not None and not -2 ** 63 <= seed < 2 ** 64:
+            raise KvedgeError(f"seed {seed} is outside [-2**63, 2**64)")
+        if job.max_tokens < 1:
+            raise KvedgeError(f"max_tokens must be >= 1, got {job.max_tokens}")
+        if n + job.max_tokens > self.max_seq_len:
+            raise KvedgeError(f"the prompt's {n} tokens + max_tokens {job.max_tokens} exceed the context length "
+                              f"{self.max_seq_len}; shorten the prompt or lower max_tokens")
+
+    def submit(self, job: Job) -> None:
+        """Check a job and queue it; QueueFull when max_queue jobs already wait (past the free rows)."""
+        self.check(job)
+        seed = job.sampling.seed
+        job.generator = torch.Generator().manual_seed(seed if seed is not None else random.randrange(2 ** 63))
+        if job.sampling.repetition_penalty != 1.0:
+            job.seen = torch.zeros(1, self.backend.cfg.vocab_size, dtype=torch.bool)
+            job.seen[0, job.prompt] = True
+        with self._cond:
+            if self._closed:
+                raise KvedgeError("the server is shutting down")
+            if len(self.waiting) >= self.max_queue + self.rows.count(None):  # free rows take some at the next step
+                raise QueueFull(f"all {len(self.rows)} rows are busy and {self.max_queue} requests are waiting "
+                                f"(--max-queue); retry later")
+            job.order = next(self._order)
+            self.waiting.append(job)
+            self._cond.notify()
+
+    def cancel(self, job: Job) -> None:
+        """The job's client went away: its row is freed at the next step boundary (no more events). A job that
+        has finished is left as it is."""
+        if job.finish is not None:
+            return
+        job.cancelled = True
+        with self._cond:
+            self._cond.notify()
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="kvedge-scheduler", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        """Stop the thread; every job still queued or running ends with an error event."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+        if self._thread is not None:
+            self._thread.join()
+        for job in [*self.waiting, *(j for j in self.rows if j is not None)]:
+            self._end(job, "error", "the server is shutting down")
+        self.waiting.clear()
+
+    # -- the scheduler's thread ------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._closed and not self.waiting and not any(self.rows):
+                    self._cond.wait()
+                if self._closed:
+                    return
+            try:
+                self.step()
+            except Exception as e:  # noqa: BLE001 - a bug here must not stop the server: end what runs, go on
+                log.exception("kvedge serve: the scheduler's step failed")
+                for job in self.rows:
+                    if job is not None:
+                        self._end(job, "error", f"{type(e).__name__}: {e}")
+
+    def admit(self) -> None:
+        """Give free rows to waiting jobs, oldest first (a step boundary)."""
+        with self._cond:
+            for r in range(len(self.rows)):
+                while self.rows[r] is None and self.waiting:
+                    job = self.waiting.popleft()
+                    if job.cancelled:
+                        self._end(job, "cancelled")
+                        continue
+                    job.row, self.rows[r] = r, job
+
+    def step(self) -> None:
+        """One step: free cancelled rows, admit, prefill chunks (up to chunk_size tokens), one decode step. A
+        backend failure ends the jobs of that forward with an error; the others go on."""
+        for job in self.rows:
+            if job is not None and job.cancelled:
+                self._end(job, "cancelled")
+        self.admit()
+        used = 0
+        for job in sorted((j for j in self.rows if j is not None and j.filled < len(j.prompt)),
+                          key=lambda j: j.order):
+            n = min(self.chunk_size, len(job.prompt) - job.filled)
+            if used and used + n > self.chunk_size:
+                break
+            used += n
+            self._guard([job], self._prefill_chunk, job, n)
+        decoding = [j for j in self.rows if j is not None and j.filled == len(j.prompt) and j.tokens]
+        if decoding:
+            self._guard(decoding, self._decode, decoding)
+
+    def _guard(self, jobs: list[Job], fn, *args) -> None:
+        try:
+            fn(*args)
+        except Exception as e:  # noqa: BLE001 - reported to the requests it hit; the server goes on
+            for job in jobs:
+                if job.finish is None:
+                    self._end(job, "error", f"{type(e).__name__}: {e}")
+
+    def _prefill_chunk(self, job: Job, n: int) -> None:
+        s = job.filled
+        ids = torch.tensor([job.prompt[s:s + n]])
+        logits = self.backend.forward(ids, torch.arange(s, s + n)[None], torch.tensor([n - 1]), first_row=job.row)
+        job.filled += n
+        if job.filled == len(job.prompt):
+            self._sample(job, logits[:, 0])
+
+    def _decode(self, jobs: list[Job]) -> None:
+        lo, hi = min(j.row for j in jobs), max(j.row for j in jobs) + 1
+        ids, pos = torch.zeros(hi - lo, 1, dtype=torch.long), torch.zeros(hi - lo, 1, dtype=torch.long)
+        for r in range(lo, hi):
+            job = self.rows[r]
+            if job is None:
+                continue
+            if job.tokens:  # decoding: its last token goes in at the slot after the ones it holds
+                ids[r - lo, 0], pos[r - lo, 0] = job.tokens[-1], len(job.prompt) + len(job.tokens) - 1
+            else:  # prefilling: padding at its next free slot, overwritten by its next chunk
+                pos[r - lo, 0] = job.filled
+        logits = self.backend.forward(ids, pos, torch.zeros(hi - lo, dtype=torch.long), first_row=lo)[:, 0]
+        for job in jobs:
+            self._sample(job, logits[job.row - lo:job.row - lo + 1])
+
+    def _sample(self, job: Job, logits: torch.Tensor) -> None:
+        """The job's next token: one text event (possibly empty), then its end if it is the last."""
+        token = int(next_tokens(logits.float(), job.sampling, job.generator, job.seen)[0])
+        if job.seen is not None:
+            job.seen[0, token] = True
+        job.tokens.append(token)
+        now = time.perf_counter()
+        if self.metrics is not None:
+            self.metrics.token(now - (job.last_token_at or job.arrived), first=len(job.tokens) == 1)
+        job.last_token_at = now
+        last = token in job.eos or len(job.tokens) >= job.max_tokens
+        text, stopped = self._new_text(job, final=last)
+        self._emit(job, Event(text))
+        if stopped or last:
+            self._end(job, "length" if not stopped and token not in job.eos else "stop")
+
+    def _new_text(self, job: Job, final: bool) -> tuple[str, bool]:
+        """The text now certain, and whether a stop string ended it: whole characters, up to the first stop string,
+        or short of the longest tail that could begin one (at the last token: all of it)."""
+        full = self.tokenizer.decode([t for t in job.tokens if t not in job.eos])
+        if not final and full.endswith("\ufffd"):  # a character's bytes are not all there yet
+            return "", False
+        hits = [i for i in (full.find(s) for s in job.stop) if i >= 0]
+        end = min(hits) if hits else len(full)
+        if not hits and not final:
+            end -= max((k for s in job.stop for k in range(1, len(s)) if full.endswith(s[:k])), default=0)
+        text, job.sent = full[job.sent:end], max(job.sent, end)
+        return text, bool(hits)
+
+    def _end(self, job: Job, finish: str, error: str = "") -> None:
+        """The job's last event (none to a cancelled job's client, who is gone); its row is free from now on."""
+        job.finish = finish
+        if 0 <= job.row < len(self.rows) and self.rows[job.row] is job:
+            self.rows[job.row] = None
+        if self.metrics is not None:
+            self.metrics.finished(job, finish)
+        if finish != "cancelled":
+            self._emit(job, Event(finish=finish, error=error, completion_tokens=len(job.tokens)))
+
+    def _emit(self, job: Job, event: Event) -> None:
+        try:
+            job.emit(event)
+        except Exception:  # noqa: BLE001 - its listener is gone (the server's loop closed): stop the job
+            job.cancelled = True
