@@ -437,6 +437,12 @@ def _rope(hf: dict[str, Any], source: str) -> tuple[float, dict[str, Any] | None
     return theta, scaling, partial
 
 
+def longrope_attention_factor(factor: float, original: int) -> float:
+    """LongRoPE's default attention factor (transformers, llama.cpp's converter): sqrt(1 + ln factor / ln
+    original), 1 without extension."""
+    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+
+
 def _longrope(hf: dict[str, Any], params: dict[str, Any], source: str) -> dict[str, Any]:
     """phi3's longrope (Phi-3.5, Phi-4-mini), as transformers reads it: per-frequency short and long factors
     (the long ones once a forward reaches past original_max_position_embeddings), and cos/sin scaled by
@@ -451,7 +457,7 @@ def _longrope(hf: dict[str, Any], params: dict[str, Any], source: str) -> dict[s
     factor = float(params.get("factor") or int(hf.get("max_position_embeddings", 2048)) / original)
     attention = params.get("attention_factor")
     if attention is None:
-        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+        attention = longrope_attention_factor(factor, original)
     return {"rope_type": "longrope", "factor": factor, "original_max_position_embeddings": original,
             "short_factor": [float(f) for f in params["short_factor"]],
             "long_factor": [float(f) for f in params["long_factor"]], "attention_factor": float(attention)}

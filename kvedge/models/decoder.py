@@ -208,8 +208,11 @@ class Decoder(nn.Module):
             switch = rope.long_switch(cfg)
             if switch is not None:  # longrope: a forward reaching the original length runs on the long set
                 far = positions.max() >= switch
-                tables = {**tables, "global": tuple(torch.where(far, lg, sh)
-                                                    for lg, sh in zip(tables["long"], tables["global"]))}
+                if torch.compiler.is_compiling() or torch.compiler.is_exporting():  # a Where in the graph
+                    long = tuple(torch.where(far, lg, sh) for lg, sh in zip(tables["long"], tables["global"]))
+                else:  # eager: pick the table, no copy of both per token
+                    long = tables["long"] if bool(far) else tables["global"]
+                tables = {**tables, "global": long}
         for layer, (k_cache, v_cache, *kv_scales) in zip(self.layers, caches, strict=True):
             x = layer(x, positions, tables, k_cache, v_cache, self.attention_op, kv_scales)
         if logit_index is not None:

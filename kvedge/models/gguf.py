@@ -59,7 +59,7 @@ import torch
 from torch import nn
 
 from kvedge.errors import CheckpointError, ConfigError, require
-from kvedge.models.config import ModelConfig
+from kvedge.models.config import ModelConfig, longrope_attention_factor
 
 SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "phi3", "olmo2", "granite",
                                "smollm3")
@@ -386,7 +386,7 @@ def _longrope_scaling(g: GGUFFile, hf: dict[str, Any], rot_dim: int | None) -> d
     length = hf["max_position_embeddings"]
     original = int(g.value(f"{g.arch}.rope.scaling.original_context_length") or length)
     stored = g.value(f"{g.arch}.rope.scaling.attn_factor", 1.0)
-    computed = math.sqrt(1 + math.log(length / original) / math.log(original)) if length > original else 1.0
+    computed = longrope_attention_factor(length / original, original)
     attention = computed if np.float32(stored) == np.float32(computed) else _f32(stored)  # the converter's float
     return {"rope_type": "longrope", **factors, "original_max_position_embeddings": original,
             "attention_factor": attention}

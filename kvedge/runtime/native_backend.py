@@ -343,7 +343,7 @@ class NativeBackend(CacheList):
                   for kind, pair in model.rope_tables(max_seq_len, torch.float32).items()}
         for blk, ly in zip(model.layers, layers):  # each layer's table, none for a layer without RoPE
             ly.cos, ly.sin = tables.get(blk.rope_kind, (0, 0))
-        self._long = rope.long_switch(cfg), tables.get("global"), tables.get("long"), False
+        self._switch, self._tables, self._long = rope.long_switch(cfg), tables, False  # longrope: see forward
         self._layers, self._first_row = layers, 0
         self.m = Model(cfg.vocab_size, cfg.hidden_size, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                        cfg.intermediate_size, cfg.rotary_dim // 2, int(cfg.mlp == "glu"), _ACTS[cfg.act],
@@ -379,12 +379,11 @@ class NativeBackend(CacheList):
         lo, hi = (int(v) for v in torch.aminmax(pos))  # the engine writes the cache at these: check them
         if lo < 0 or hi >= self.max_seq_len:
             raise KvedgeError(f"positions {lo}..{hi} are outside the cache [0, {self.max_seq_len})")
-        switch, short, long, on = self._long
-        if switch is not None and (hi >= switch) != on:  # longrope: this call's frequency set (Decoder.forward)
+        if self._switch is not None and (hi >= self._switch) != self._long:  # longrope: this call's set, as
+            self._long = not self._long                                      # Decoder.forward picks it
             for blk, ly in zip(self.model.layers, self._layers):
                 if blk.rope_kind == "global":
-                    ly.cos, ly.sin = long if not on else short
-            self._long = switch, short, long, not on
+                    ly.cos, ly.sin = self._tables["long" if self._long else "global"]
         need = self.dll.kv_scratch_bytes(ctypes.byref(self.m), b, length, self.threads)
         if need > self.scratch.numel():
             self.scratch = torch.empty(need, dtype=torch.uint8)
