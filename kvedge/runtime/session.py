@@ -20,7 +20,7 @@ import torch
 from kvedge.errors import KvedgeError
 from kvedge.runtime.backend import Backend
 from kvedge.runtime.sampling import SamplingParams, next_tokens
-from kvedge.runtime.tokenizer import Tokenizer
+from kvedge.runtime.tokenizer import TextStream, Tokenizer
 
 Ids = Sequence[int] | Sequence[Sequence[int]] | torch.Tensor
 
@@ -183,9 +183,10 @@ class Session:
             seen = torch.zeros(b, self.cfg.vocab_size, dtype=torch.bool)
             for r, row in enumerate(rows):
                 seen[r, row] = True
-        tok = self.tokenizer if (self.tokenizer is not None) else None
+        tok = self.tokenizer
         out_tokens: list[list[int]] = [[] for _ in range(b)]
-        texts, reasons = [""] * b, [""] * b
+        streams = [TextStream(tok, stop) for _ in range(b)] if tok is not None else None
+        reasons = [""] * b
         done = torch.zeros(b, dtype=torch.bool)
         eos_t = torch.tensor(sorted(eos), dtype=torch.long) if eos else None
 
@@ -205,13 +206,12 @@ class Session:
                 if eos_t is not None and ids[r] in eos:
                     done[r], reasons[r] = True, "eos"
                     continue
-                if tok is not None:
-                    new = self._new_text(r, out_tokens[r], texts)
+                if streams is not None:
+                    streams[r].add(ids[r])
+                    new, stopped = streams[r].take()
                     if new:
                         yield r, ids[r], new
-                    hit = next((s for s in stop if s in texts[r]), None)
-                    if hit is not None:
-                        texts[r] = texts[r][:texts[r].index(hit)]
+                    if stopped:
                         done[r], reasons[r] = True, "stop"
                 else:
                     yield r, ids[r], ""
@@ -220,24 +220,16 @@ class Session:
             logits = self.decode(nxt)
             steps += 1
         t2 = time.perf_counter()
+        texts = [""] * b
         for r in range(b):
             if not reasons[r]:
                 reasons[r] = "length"
-            if tok is not None and reasons[r] != "stop":
-                final = tok.decode([t for t in out_tokens[r] if t not in eos])
-                if final.startswith(texts[r]) and len(final) > len(texts[r]):
-                    yield r, out_tokens[r][-1], final[len(texts[r]):]  # what was held back (partial bytes)
-                texts[r] = final
+            if streams is not None:
+                rest, _ = streams[r].take(final=True)  # what was held back: partial bytes, a stop string's start
+                if rest:
+                    yield r, out_tokens[r][-1], rest
+                texts[r] = streams[r].text[:streams[r].taken]
         result.append(GenerationResult(out_tokens, texts, reasons, [len(r) for r in rows], t1 - t0, t2 - t1, steps))
-
-    def _new_text(self, r: int, tokens: list[int], texts: list[str]) -> str:
-        """Incremental detokenization: emit only complete characters (no dangling UTF-8 byte)."""
-        full = self.tokenizer.decode(tokens)
-        if full.endswith("\ufffd"):
-            return ""
-        new = full[len(texts[r]):] if full.startswith(texts[r]) else full
-        texts[r] = full
-        return new
 
     def _eos_ids(self, eos_token_id) -> set[int]:
         if eos_token_id is None:

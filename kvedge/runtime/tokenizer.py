@@ -66,3 +66,51 @@ class Tokenizer:
         return env.from_string(self.chat_template).render(
             messages=messages, add_generation_prompt=add_generation_prompt,
             bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+
+
+class TextStream:
+    """The text of one generated sequence, token by token, in whole characters, cut at the first stop string.
+
+    Each token decodes only a short window (the tokens since the last complete piece, after the piece before them
+    as context, the way byte-level and SentencePiece decoders need it), so a token costs the same at any length:
+    decoding the whole output every token made a long answer quadratic. `take` hands out the text that is now
+    certain: complete characters, up to the first stop string, and short of a tail that could begin one."""
+
+    def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...] | list[str] = ()):
+        self.tokenizer, self.stop = tokenizer, tuple(stop)  # an empty one stops at once
+        self.ids: list[int] = []
+        self.prefix = self.read = 0  # ids[prefix:read]: the last piece, context for the next; ids[read:] pending
+        self.text = ""  # the decoded text (up to the pending tokens)
+        self.taken = 0  # characters of text handed out
+        self.stopped = False
+
+    def add(self, token: int) -> None:
+        self.ids.append(token)
+        self._decode(final=False)
+
+    def _decode(self, final: bool) -> None:
+        before = self.tokenizer.decode(self.ids[self.prefix:self.read])
+        now = self.tokenizer.decode(self.ids[self.prefix:])
+        if not final and (len(now) <= len(before) or now.endswith("\ufffd")):
+            return  # a character's bytes are not all there yet
+        if now.startswith(before):
+            self.text += now[len(before):]
+        else:  # a decoder that rewrites the context (no known one does): decode it all once
+            self.text = self.tokenizer.decode(self.ids)
+        self.prefix, self.read = self.read, len(self.ids)
+
+    def take(self, final: bool = False) -> tuple[str, bool]:
+        """(the text now certain and not yet taken, whether a stop string ended it); final: the sequence has
+        ended, so pending bytes and a possible stop string's start are text too."""
+        if self.stopped:
+            return "", True
+        if final and self.read < len(self.ids):
+            self._decode(final=True)
+        # no stop string starts in the text already taken: the tail that could begin one is held back
+        hits = [i for i in (self.text.find(s, self.taken) for s in self.stop) if i >= 0]
+        end = min(hits) if hits else len(self.text)
+        if not hits and not final:
+            end -= max((k for s in self.stop for k in range(1, len(s)) if self.text.endswith(s[:k])), default=0)
+        piece, self.taken = self.text[self.taken:end], max(self.taken, end)
+        self.stopped = bool(hits)
+        return piece, self.stopped

@@ -34,7 +34,7 @@ import torch
 from kvedge.errors import KvedgeError
 from kvedge.runtime.backend import Backend
 from kvedge.runtime.sampling import SamplingParams, next_tokens
-from kvedge.runtime.tokenizer import Tokenizer
+from kvedge.runtime.tokenizer import TextStream, Tokenizer
 
 
 log = logging.getLogger("kvedge.serve")
@@ -71,7 +71,7 @@ class Job:
     row: int = -1
     filled: int = 0  # prompt tokens in the cache
     tokens: list[int] = field(default_factory=list)
-    sent: int = 0  # characters of the text already emitted
+    text: TextStream | None = None  # its text so far, handed out as it becomes certain
     finish: str | None = None
     order: int = 0
     generator: torch.Generator | None = None
@@ -128,6 +128,7 @@ class Scheduler:
         self.check(job)
         seed = job.sampling.seed
         job.generator = torch.Generator().manual_seed(seed if seed is not None else random.randrange(2 ** 63))
+        job.text = TextStream(self.tokenizer, job.stop)
         if job.sampling.repetition_penalty != 1.0:
             job.seen = torch.zeros(1, self.backend.cfg.vocab_size, dtype=torch.bool)
             job.seen[0, job.prompt] = True
@@ -253,23 +254,12 @@ class Scheduler:
             self.metrics.token(now - (job.last_token_at or job.arrived), first=len(job.tokens) == 1)
         job.last_token_at = now
         last = token in job.eos or len(job.tokens) >= job.max_tokens
-        text, stopped = self._new_text(job, final=last)
+        if token not in job.eos:
+            job.text.add(token)
+        text, stopped = job.text.take(final=last)
         self._emit(job, Event(text))
         if stopped or last:
             self._end(job, "length" if not stopped and token not in job.eos else "stop")
-
-    def _new_text(self, job: Job, final: bool) -> tuple[str, bool]:
-        """The text now certain, and whether a stop string ended it: whole characters, up to the first stop string,
-        or short of the longest tail that could begin one (at the last token: all of it)."""
-        full = self.tokenizer.decode([t for t in job.tokens if t not in job.eos])
-        if not final and full.endswith("\ufffd"):  # a character's bytes are not all there yet
-            return "", False
-        hits = [i for i in (full.find(s) for s in job.stop) if i >= 0]
-        end = min(hits) if hits else len(full)
-        if not hits and not final:
-            end -= max((k for s in job.stop for k in range(1, len(s)) if full.endswith(s[:k])), default=0)
-        text, job.sent = full[job.sent:end], max(job.sent, end)
-        return text, bool(hits)
 
     def _end(self, job: Job, finish: str, error: str = "") -> None:
         """The job's last event (none to a cancelled job's client, who is gone); its row is free from now on."""

@@ -328,3 +328,56 @@ def test_smollm2_ids_and_chat_prompt_equal_transformers():
     assert prompt.startswith("<|im_start|>system\nYou are a helpful AI assistant named SmolLM")
     assert tok.eos_token == "<|im_end|>" and tok.eos_token_id == hf.eos_token_id == 2
     assert tok.encode("hi") == hf("hi")["input_ids"] == tok.encode("hi", add_special_tokens=False)  # no BOS
+
+
+# --- incremental detokenization (kvedge.runtime.tokenizer.TextStream) ------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["byte-level", "sentencepiece"])
+def test_text_stream_equals_the_whole_decode_in_whole_characters(tmp_path, kind):
+    """Token by token, the pieces join to the tokenizers library's decode of all the ids (emoji and CJK split
+    over byte tokens included), no piece holds half a character, and no decode call reads more than a
+    short window of ids (the whole output every token made a long answer quadratic)."""
+    from kvedge.runtime.tokenizer import TextStream
+
+    tok = Tokenizer(byte_level_gguf(tmp_path)[0] if kind == "byte-level" else spm_gguf(tmp_path))
+    ids = tok.encode(TEXT + PROBE, add_special_tokens=False)
+    assert len(ids) > 300
+    windows = []
+    decode = tok.decode
+    tok.decode = lambda ids, **kw: windows.append(len(ids)) or decode(ids, **kw)
+    stream = TextStream(tok)
+    pieces = []
+    for i in ids:
+        stream.add(i)
+        pieces.append(stream.take()[0])
+    pieces.append(stream.take(final=True)[0])
+    tok.decode = decode
+    assert "".join(pieces) == decode(ids)
+    assert not any("\ufffd" in p for p in pieces)
+    assert max(windows) <= 16 and sum(windows) < 12 * len(ids)
+
+
+def test_text_stream_cuts_at_a_stop_string_and_holds_back_its_start(tmp_path):
+    """A stop string spanning tokens ends the text just before it; a tail that could begin one is held back
+    until it is known (then handed out, or cut); the final take hands out what was held."""
+    from kvedge.runtime.tokenizer import TextStream
+
+    tok = Tokenizer(byte_level_gguf(tmp_path)[0])
+    text = "Der schnelle braune Fuchs springt über den faulen Hund."
+    ids = tok.encode(text, add_special_tokens=False)
+    for stop in ("über den", "Hund.", "nowhere", "Fuchs springt über den faulen Hund. and more"):
+        stream, pieces, stopped = TextStream(tok, [stop, "zz"]), [], False
+        for i in ids:
+            stream.add(i)
+            piece, stopped = stream.take()
+            pieces.append(piece)
+            if stopped:
+                break
+            seen = "".join(pieces)
+            assert not any(seen.endswith(stop[:k]) for k in range(1, len(stop))), (stop, seen)
+        if not stopped:
+            piece, stopped = stream.take(final=True)
+            pieces.append(piece)
+        cut = text.find(stop)
+        assert "".join(pieces) == (text[:cut] if cut >= 0 else text) and stopped == (cut >= 0), stop
