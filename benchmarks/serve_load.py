@@ -91,13 +91,20 @@ def one_round(port: int, prompts: list[list[int]], gen: int) -> list[tuple[float
     out: list = [None] * len(prompts)
 
     def run(i):
-        out[i] = stream(port, prompts[i], gen, start)
+        try:
+            out[i] = stream(port, prompts[i], gen, start)
+        except BaseException as e:  # noqa: BLE001 - raised in the main thread below (a thread's would be lost)
+            out[i] = e
+            start.abort()  # the others waiting to start give up too
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
+    failed = [r for r in out if isinstance(r, BaseException) and not isinstance(r, threading.BrokenBarrierError)]
+    if failed:
+        raise SystemExit(f"a stream failed: {failed[0]}")
     return out
 
 
@@ -152,7 +159,7 @@ def prompts_for(src: Path, n: int, length: int) -> list[list[int]]:
     from kvedge.runtime.tokenizer import Tokenizer
 
     text = (Path(models.__file__).parent / "heldout.txt").read_text()
-    ids = Tokenizer(src).encode(text)
+    ids = Tokenizer(src).encode(text, add_special_tokens=False)
     step = max(1, (len(ids) - length) // max(1, n))
     return [ids[i * step:i * step + length] for i in range(n)]
 

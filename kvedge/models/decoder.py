@@ -167,10 +167,15 @@ class Decoder(nn.Module):
         self.norm = make_norm(cfg, cfg.hidden_size)
         if not cfg.tie_embeddings:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        for name, freq in rope.buffers(cfg).items():  # inv_freq[, _local (gemma3), _long (longrope)]
-            self.register_buffer(name, freq, persistent=False)
+        self.set_rope_buffers()
         self.attention_op: Callable[..., torch.Tensor] = attention
         self._tables: tuple | None = None
+
+    def set_rope_buffers(self, device: torch.device | str | None = None) -> None:
+        """(Re)compute the frequency buffers, inv_freq[, _local (gemma3), _long (longrope)]: the loaders build the
+        model on the meta device and call this on the real one."""
+        for name, freq in rope.buffers(self.cfg).items():
+            self.register_buffer(name, freq.to(device), persistent=False)
 
     def rope_tables(self, length: int, dtype: torch.dtype) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """{"global": cos/sin tables [length, rotary_dim / 2] (kvedge.models.rope.tables)[, "local": those of

@@ -582,7 +582,6 @@ def _quant_linear(g: GGUFFile, names: tuple[str, ...], kind: str, cfg: ModelConf
 def load_decoder(path: str | Path, dtype: str | torch.dtype | None = None, device: str | torch.device = "cpu"):
     """The Decoder of a GGUF file: float32 unless `dtype` is given (every value the file holds is exact in
     float32). Quantized projections become QuantLinears over the file's integers (module doc)."""
-    from kvedge.models import rope
     from kvedge.models.decoder import Decoder
     from kvedge.models.loader import torch_dtype
 
@@ -616,8 +615,7 @@ def load_decoder(path: str | Path, dtype: str | torch.dtype | None = None, devic
         model.set_submodule(module, linear)
         state.update({f"{module}.{b}": getattr(linear, b) for b in _BUFFERS if getattr(linear, b) is not None})
     model.load_state_dict(state, strict=True, assign=True)
-    for name, freq in rope.buffers(cfg).items():
-        setattr(model, name, freq.to(device))
+    model.set_rope_buffers(device)
     model.gguf = record
     if linears:  # export and the native engine take them as they are
         kinds = sorted({t.split()[0] for t in record["linears"].values()})

@@ -16,7 +16,7 @@ import torch
 from kvedge.dtypes import FLOATS, GRAPH, TORCH
 from kvedge.errors import CheckpointError, ConfigError
 from kvedge.models.config import ModelConfig, load_config
-from kvedge.models import prequant, rope
+from kvedge.models import prequant
 from kvedge.models.decoder import Decoder
 
 FLOAT_NAMES = (*FLOATS, *GRAPH.values())  # the dtypes a model may have
@@ -328,6 +328,5 @@ def load_decoder(model_dir: str | Path, dtype: str | torch.dtype | None = None,
         state.update(quantized.install(model, raw, want, device))
         model.prequantized = quantized.record()
     model.load_state_dict(state, strict=True, assign=True)
-    for name, freq in rope.buffers(cfg).items():
-        setattr(model, name, freq.to(device))
+    model.set_rope_buffers(device)
     return model.eval().requires_grad_(False)

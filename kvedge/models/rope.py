@@ -74,9 +74,7 @@ def tables(freq: torch.Tensor, length: int, dtype: torch.dtype, scale: float = 1
     This is the layout ONNX Runtime's GroupQueryAttention (do_rotary) and ONNX's RotaryEmbedding take as
     cos_cache / sin_cache, so every lowering can share one table."""
     angles = torch.arange(length, dtype=torch.float32, device=freq.device)[:, None] * freq
-    if scale == 1.0:
-        return angles.cos().to(dtype), angles.sin().to(dtype)
-    return (angles.cos() * scale).to(dtype), (angles.sin() * scale).to(dtype)
+    return (angles.cos() * scale).to(dtype), (angles.sin() * scale).to(dtype)  # scale 1: the same values
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

@@ -6,7 +6,9 @@ row, [B, 1, V], as a view of a buffer the backend may reuse on the next call (co
 Positions are the runtime's business, not the backend's: it only writes where it is told.
 `first_row` says which cache rows the B input rows are: first_row .. first_row + B - 1 (0 by default),
 so that a server can run one row's prompt, or a range of rows, while the other rows' caches stay as
-they are (kvedge.serve).
+they are (kvedge.serve). A backend whose cache is double-buffered (present in another buffer, swapped after
+each call: TensorRT without an in-place cache update) sets `in_place = False`: rows a call leaves out go
+stale, so kvedge serve refuses it.
 """
 
 from __future__ import annotations

@@ -30,6 +30,8 @@ class SamplingParams:
             raise KvedgeError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.repetition_penalty <= 0:
             raise KvedgeError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if self.seed is not None and not -2 ** 63 <= self.seed < 2 ** 64:  # what torch.Generator takes
+            raise KvedgeError(f"seed {self.seed} is outside [-2**63, 2**64)")
 
     @property
     def greedy(self) -> bool:

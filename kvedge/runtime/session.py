@@ -20,7 +20,7 @@ import torch
 from kvedge.errors import KvedgeError
 from kvedge.runtime.backend import Backend
 from kvedge.runtime.sampling import SamplingParams, next_tokens
-from kvedge.runtime.tokenizer import TextStream, Tokenizer
+from kvedge.runtime.tokenizer import TextStream, Tokenizer, eos_ids
 
 Ids = Sequence[int] | Sequence[Sequence[int]] | torch.Tensor
 
@@ -228,18 +228,12 @@ class Session:
                 rest, _ = streams[r].take(final=True)  # what was held back: partial bytes, a stop string's start
                 if rest:
                     yield r, out_tokens[r][-1], rest
-                texts[r] = streams[r].text[:streams[r].taken]
+                texts[r] = streams[r].text
         result.append(GenerationResult(out_tokens, texts, reasons, [len(r) for r in rows], t1 - t0, t2 - t1, steps))
 
     def _eos_ids(self, eos_token_id) -> set[int]:
         if eos_token_id is None:
             return set()
         if eos_token_id == -1:
-            ids = self.cfg.eos_token_id
-            if ids is None and self.tokenizer is not None:
-                ids = self.tokenizer.eos_token_id
-        else:
-            ids = eos_token_id
-        if ids is None:
-            return set()
-        return {int(i) for i in (ids if isinstance(ids, (list, tuple, set)) else [ids])}
+            return set(eos_ids(self.cfg, self.tokenizer))
+        return {int(i) for i in (eos_token_id if isinstance(eos_token_id, (list, tuple, set)) else [eos_token_id])}

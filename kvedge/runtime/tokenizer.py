@@ -54,18 +54,29 @@ class Tokenizer:
         """Render the checkpoint's Jinja chat template (as transformers does) into the prompt text."""
         if not self.chat_template:
             raise KvedgeError("this tokenizer has no chat_template (tokenizer_config.json or chat_template.jinja)")
-        require("jinja2", "jinja2", "chat templates")
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
+        if getattr(self, "_template", None) is None:  # compiled once: a server renders it every request
+            require("jinja2", "jinja2", "chat templates")
+            from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
 
-        def raise_exception(msg):
-            raise KvedgeError(f"chat template: {msg}")
+            def raise_exception(msg):
+                raise KvedgeError(f"chat template: {msg}")
 
-        env.globals["raise_exception"] = raise_exception
-        return env.from_string(self.chat_template).render(
-            messages=messages, add_generation_prompt=add_generation_prompt,
-            bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+            env.globals["raise_exception"] = raise_exception
+            self._template = env.from_string(self.chat_template)
+        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                     bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+
+
+def eos_ids(cfg, tokenizer: Tokenizer | None) -> frozenset[int]:
+    """The model's end-of-sequence ids: its config's eos_token_id (one or a list), else its tokenizer's."""
+    ids = cfg.eos_token_id
+    if ids is None and tokenizer is not None:
+        ids = tokenizer.eos_token_id
+    if ids is None:
+        return frozenset()
+    return frozenset(int(i) for i in (ids if isinstance(ids, (list, tuple, set)) else [ids]))
 
 
 class TextStream:
@@ -80,24 +91,30 @@ class TextStream:
         self.tokenizer, self.stop = tokenizer, tuple(stop)  # an empty one stops at once
         self.ids: list[int] = []
         self.prefix = self.read = 0  # ids[prefix:read]: the last piece, context for the next; ids[read:] pending
-        self.text = ""  # the decoded text (up to the pending tokens)
-        self.taken = 0  # characters of text handed out
+        self.context = ""  # the decode of ids[prefix:read]
+        self.pending = ""  # decoded text not yet taken (a possible stop string's start, held back)
+        self.taken: list[str] = []  # the pieces handed out
         self.stopped = False
+
+    @property
+    def text(self) -> str:
+        """The text handed out so far."""
+        return "".join(self.taken)
 
     def add(self, token: int) -> None:
         self.ids.append(token)
         self._decode(final=False)
 
     def _decode(self, final: bool) -> None:
-        before = self.tokenizer.decode(self.ids[self.prefix:self.read])
         now = self.tokenizer.decode(self.ids[self.prefix:])
-        if not final and (len(now) <= len(before) or now.endswith("\ufffd")):
+        if not final and (len(now) <= len(self.context) or now.endswith("\ufffd")):
             return  # a character's bytes are not all there yet
-        if now.startswith(before):
-            self.text += now[len(before):]
+        if now.startswith(self.context):
+            self.pending += now[len(self.context):]
         else:  # a decoder that rewrites the context (no known one does): decode it all once
-            self.text = self.tokenizer.decode(self.ids)
+            self.pending = self.tokenizer.decode(self.ids)[len(self.text):]
         self.prefix, self.read = self.read, len(self.ids)
+        self.context = self.tokenizer.decode(self.ids[self.prefix:self.read])
 
     def take(self, final: bool = False) -> tuple[str, bool]:
         """(the text now certain and not yet taken, whether a stop string ended it); final: the sequence has
@@ -107,10 +124,12 @@ class TextStream:
         if final and self.read < len(self.ids):
             self._decode(final=True)
         # no stop string starts in the text already taken: the tail that could begin one is held back
-        hits = [i for i in (self.text.find(s, self.taken) for s in self.stop) if i >= 0]
-        end = min(hits) if hits else len(self.text)
+        hits = [i for i in (self.pending.find(s) for s in self.stop) if i >= 0]
+        end = min(hits) if hits else len(self.pending)
         if not hits and not final:
-            end -= max((k for s in self.stop for k in range(1, len(s)) if self.text.endswith(s[:k])), default=0)
-        piece, self.taken = self.text[self.taken:end], max(self.taken, end)
+            end -= max((k for s in self.stop for k in range(1, len(s)) if self.pending.endswith(s[:k])), default=0)
+        piece, self.pending = self.pending[:end], self.pending[end:]
+        if piece:
+            self.taken.append(piece)
         self.stopped = bool(hits)
         return piece, self.stopped

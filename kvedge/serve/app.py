@@ -22,6 +22,7 @@ from starlette.routing import Route
 
 from kvedge.errors import KvedgeError
 from kvedge.runtime.sampling import SamplingParams
+from kvedge.runtime.tokenizer import eos_ids
 from kvedge.serve.scheduler import Event, Job, QueueFull, Scheduler
 
 MAX_BODY_BYTES = 1 << 20
@@ -157,9 +158,7 @@ class Api:
         self.scheduler, self.tokenizer, self.metrics = scheduler, scheduler.tokenizer, scheduler.metrics
         self.model_name, self.api_key, self.max_body_bytes = model_name, api_key, max_body_bytes
         self.created = int(time.time())
-        eos = scheduler.backend.cfg.eos_token_id
-        eos = self.tokenizer.eos_token_id if eos is None else eos
-        self.eos = frozenset(() if eos is None else eos if isinstance(eos, (list, tuple)) else [eos])
+        self.eos = eos_ids(scheduler.backend.cfg, self.tokenizer)
 
     # -- plumbing --------------------------------------------------------------------------------------------
     def route(self, handler, auth: bool = True):

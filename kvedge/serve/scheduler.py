@@ -85,6 +85,10 @@ class Scheduler:
                  metrics=None):
         if max_queue < 0 or chunk_size < 1:
             raise KvedgeError(f"max_queue must be >= 0 and chunk_size >= 1, got {max_queue} and {chunk_size}")
+        if not getattr(backend, "in_place", True):  # kvedge.runtime.backend: rows outside a call would go stale
+            raise KvedgeError(f"the {backend.name} backend double-buffers its cache, so a call must cover every row "
+                              f"that holds a request; kvedge serve runs rows independently and needs an in-place "
+                              f"cache (TensorRT's own KV-cache update, or the plugin lowering)")
         self.backend, self.tokenizer, self.metrics = backend, tokenizer, metrics
         self.max_queue, self.chunk_size = max_queue, chunk_size
         self.rows: list[Job | None] = [None] * backend.max_batch
@@ -114,9 +118,6 @@ class Scheduler:
         bad = next((t for t in job.prompt if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < v), None)
         if bad is not None:
             raise KvedgeError(f"token id {bad!r} of the prompt is outside the vocabulary [0, {v})")
-        seed = job.sampling.seed
-        if seed is not None and not -2 ** 63 <= seed < 2 ** 64:
-            raise KvedgeError(f"seed {seed} is outside [-2**63, 2**64)")
         if job.max_tokens < 1:
             raise KvedgeError(f"max_tokens must be >= 1, got {job.max_tokens}")
         if n + job.max_tokens > self.max_seq_len:
@@ -143,12 +144,16 @@ class Scheduler:
             self._cond.notify()
 
     def cancel(self, job: Job) -> None:
-        """The job's client went away: its row is freed at the next step boundary (no more events). A job that
-        has finished is left as it is."""
+        """The job's client went away: a waiting job leaves the queue now (its place is free for the next
+        request), a running one frees its row at the next step boundary (no more events). A job that has
+        finished is left as it is."""
         if job.finish is not None:
             return
         job.cancelled = True
         with self._cond:
+            if job in self.waiting:
+                self.waiting.remove(job)
+                self._end(job, "cancelled")
             self._cond.notify()
 
     def start(self) -> None:

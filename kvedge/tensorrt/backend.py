@@ -111,6 +111,7 @@ class TrtBackend:
                               f"version or GPU?); rebuild with `kvedge build`")
         self.contexts = self._contexts(trt)
         shape = (self.max_batch, self.cfg.num_kv_heads, self.max_seq_len, self.cfg.head_dim)
+        self._row_bytes = shape[1] * shape[2] * shape[3] * to_torch(sc.cache_dtype).itemsize  # one cache row
         self._buffers = {}
         for buf in buffer_plan(sc, self.path, self.max_batch):
             if buf.role.startswith("cache"):
@@ -165,8 +166,6 @@ class TrtBackend:
             raise KvedgeError("this TensorRT path double-buffers the cache (present is another buffer, swapped "
                               "after each step), so it runs cache rows from 0 only; kvedge serve needs an in-place "
                               "cache (TensorRT's own KV-cache update, or the plugin lowering)")
-        row_bytes = self.cfg.num_kv_heads * self.max_seq_len * self.cfg.head_dim * to_torch(
-            self.sidecar.cache_dtype).itemsize
         ctx = self.contexts[1 if l == 1 else 0]
         staged = [t.to("cuda", dt).contiguous() for t, dt in zip((input_ids, position_ids, logits_index),
                                                                   self._index_dtypes)]
@@ -176,8 +175,8 @@ class TrtBackend:
         for pair in self._pairs:
             past, present, a, bptr = pair
             ctx.set_input_shape(past, (b, self.cfg.num_kv_heads, self.max_seq_len, self.cfg.head_dim))
-            ctx.set_tensor_address(past, a + first_row * row_bytes)
-            ctx.set_tensor_address(present, bptr + first_row * row_bytes)
+            ctx.set_tensor_address(past, a + first_row * self._row_bytes)
+            ctx.set_tensor_address(present, bptr + first_row * self._row_bytes)
         ctx.set_tensor_address("logits", self.logits.data_ptr())
         stream = self.alloc.stream_handle()
         wait_for_torch(stream)

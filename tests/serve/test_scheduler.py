@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvedge.errors import KvedgeError
 from kvedge.runtime import SamplingParams
 from kvedge.serve.scheduler import Job, QueueFull, Scheduler
 from tests.serve.conftest import BACKENDS
@@ -100,6 +101,21 @@ def test_the_queue_is_bounded_past_the_free_rows(open_session):
     assert [j.row for j in jobs[:3]] == [0, 1, -1]
     with pytest.raises(QueueFull):
         sched.submit(jobs[3])
+
+    sched.cancel(jobs[2])  # its client went away while it waited: its place in the queue is free at once
+    assert jobs[2].finish == "cancelled" and not sched.waiting
+    sched.submit(jobs[3])
+    assert list(sched.waiting) == [jobs[3]]
+
+
+def test_a_double_buffered_backend_is_refused(open_session):
+    """A backend whose cache is double-buffered (kvedge.runtime.backend: in_place False, as TensorRT without an
+    in-place cache update) leaves the rows a call skips stale; the scheduler refuses it up front."""
+    session = open_session("native", 2, max_seq_len=64)
+    backend = Logged(session.backend)
+    backend.name, backend.in_place = "tensorrt", False
+    with pytest.raises(KvedgeError, match="double-buffers its cache"):
+        Scheduler(backend, session.tokenizer)
 
 
 def test_a_cancelled_request_frees_its_row_for_the_next(open_session):
