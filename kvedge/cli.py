@@ -136,11 +136,9 @@ def cmd_import_gguf(args) -> int:
 
 
 def cmd_generate(args) -> int:
-    from kvedge.runtime import SamplingParams, load
+    from kvedge.runtime import SamplingParams
 
-    session = load(args.path, args.backend, threads=args.threads, max_seq_len=args.max_seq_len, max_batch=1,
-                   quantize=None if args.quantize == "none" else args.quantize, kv_dtype=args.kv_dtype,
-                   activations=args.activations)
+    session = _open(args, max_batch=1)
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                               repetition_penalty=args.repetition_penalty, seed=args.seed)
 
@@ -168,15 +166,12 @@ def cmd_generate(args) -> int:
 
 
 def cmd_serve(args) -> int:
-    from kvedge.runtime import load
     from kvedge.serve import build_app, run
 
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         print(f"kvedge serve: warning: listening on {args.host} without --api-key: anyone who can reach it can "
               f"use it", file=sys.stderr)
-    session = load(args.path, args.backend, threads=args.threads, max_seq_len=args.max_seq_len,
-                   max_batch=args.max_batch, quantize=None if args.quantize == "none" else args.quantize,
-                   activations=args.activations)
+    session = _open(args, max_batch=args.max_batch)
     name = args.model_name or Path(args.path).name.removesuffix(".gguf")
     app = build_app(session, name, api_key=args.api_key, max_queue=args.max_queue, prefill_chunk=args.prefill_chunk)
     _say(args, f"kvedge serve: {name!r} on {session.backend.name}, {session.backend.max_batch} rows of "
@@ -459,6 +454,28 @@ def _activations_arg(s: argparse.ArgumentParser) -> None:
                         "fastest) or int16 (within float rounding of the torch model; slower prefill)")
 
 
+def _runtime_args(s: argparse.ArgumentParser, seq_len_help: str) -> None:
+    """How generate and serve open PATH (read back by _open)."""
+    s.add_argument("--quantize", choices=("int4", "int8", "none"), default="int4",
+                   help="native backend: a checkpoint's projections and lm_head, rounded per group of 32 (symmetric) "
+                        "as `kvedge export --quantize ... --symmetric --quantize-lm-head`; a GGUF file's and a "
+                        "pre-quantized AWQ / GPTQ checkpoint's integers are kept as they are (default int4)")
+    s.add_argument("--max-seq-len", type=int, default=2048, help=seq_len_help)
+    s.add_argument("--kv-dtype", choices=("int8",), default=None,
+                   help="torch and native backends: an int8 cache (calibrated on the built-in text; a quarter of "
+                        "float32's bytes); an export's cache dtype is set by kvedge export --kv-dtype")
+    s.add_argument("--threads", type=int, default=0, help="CPU threads (default: the runtime's choice)")
+    _activations_arg(s)
+
+
+def _open(args, max_batch: int):
+    from kvedge.runtime import load
+
+    return load(args.path, args.backend, threads=args.threads, max_seq_len=args.max_seq_len, max_batch=max_batch,
+                quantize=None if args.quantize == "none" else args.quantize, kv_dtype=args.kv_dtype,
+                activations=args.activations)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from kvedge.export.lowerings import LOWERINGS
     from kvedge.runtime.backends import BACKENDS
@@ -489,10 +506,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--prompt", help="prompt text")
     s.add_argument("--ids", help="prompt as comma-separated token ids instead of text")
     _backend_arg(s, BACKENDS)
-    s.add_argument("--quantize", choices=("int4", "int8", "none"), default="int4",
-                   help="native backend: the checkpoint's projections and lm_head, rounded per group of 32 "
-                        "(symmetric) as `kvedge export --quantize ... --symmetric --quantize-lm-head`; a pre-quantized "
-                        "AWQ / GPTQ checkpoint runs as it is (default int4)")
+    _runtime_args(s, "torch and native backends' cache length (default 2048)")
     s.add_argument("--max-new-tokens", type=int, default=64)
     s.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
     s.add_argument("--top-k", type=int, default=0)
@@ -503,12 +517,6 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     s.add_argument("--truncate", action="store_true", help="drop the oldest prompt tokens if it does not fit")
     s.add_argument("--ignore-eos", action="store_true", help="do not stop at the end-of-sequence token")
-    s.add_argument("--max-seq-len", type=int, default=2048, help="torch and native backends' cache length")
-    s.add_argument("--kv-dtype", choices=("int8",), default=None,
-                   help="torch and native backends: an int8 cache (calibrated on the built-in text; a quarter of "
-                        "float32's bytes); an export's cache dtype is set by kvedge export --kv-dtype")
-    s.add_argument("--threads", type=int, default=0)
-    _activations_arg(s)
     s.add_argument("--json", action="store_true", help="print the result as JSON at the end instead of streaming")
     s.add_argument("--quiet", action="store_true")
     s.set_defaults(fn=cmd_generate)
@@ -526,18 +534,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-batch", type=int, default=4, help="cache rows: requests generating at once (default 4)")
     s.add_argument("--max-queue", type=int, default=16,
                    help="requests that may wait for a row; past that the server answers 429 (default 16)")
-    s.add_argument("--max-seq-len", type=int, default=2048,
-                   help="torch and native backends: tokens per row, prompt + completion (an export's is fixed)")
+    _runtime_args(s, "torch and native backends: tokens per row, prompt + completion (default 2048; an export's "
+                     "is fixed)")
     s.add_argument("--prefill-chunk", type=int, default=64,
                    help="prompt tokens prefilled per step while other rows decode (default 64)")
     s.add_argument("--api-key", default=os.environ.get("KVEDGE_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on every route but /health (default: $KVEDGE_API_KEY; "
                         "none: no key asked)")
     s.add_argument("--model-name", help="the model's id in the API (default: the path's name)")
-    s.add_argument("--quantize", choices=("int4", "int8", "none"), default="int4",
-                   help="native backend: the checkpoint's weights (default int4; a GGUF file's are kept)")
-    s.add_argument("--threads", type=int, default=0)
-    _activations_arg(s)
     s.add_argument("--quiet", action="store_true", help="no startup line and no access log")
     s.set_defaults(fn=cmd_serve)
 

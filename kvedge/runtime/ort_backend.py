@@ -9,6 +9,7 @@ buffer too. An int8 cache (`--kv-dtype int8`) is allocated and bound as int8; it
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -17,6 +18,9 @@ from kvedge.artifact import TOKEN_INPUTS, Sidecar, older, onnx_weight_bytes
 from kvedge.dtypes import NUMPY, to_torch
 from kvedge.errors import KvedgeError, MissingDependencyError
 from kvedge.runtime.backend import CacheList, check_rows
+
+if TYPE_CHECKING:
+    import onnxruntime as ort
 
 
 class OrtBackend(CacheList):
@@ -62,8 +66,8 @@ class OrtBackend(CacheList):
         self.caches = [torch.zeros(shape, dtype=self.cache_dtype)  # k0, v0, k1, v1, ... as the graph declares them
                        for shape in sc.cache_shapes(self.max_batch)]
         self.logits = torch.empty((self.max_batch, 1, self.cfg.vocab_size), dtype=to_torch(sc.logits_dtype))
-        self.binding = self.session.io_binding()
-        self._bound = (0, 0)  # (first_row, batch) the binding holds
+        self._bindings: dict[tuple[int, int], ort.IOBinding] = {}  # (first_row, batch) -> its caches and logits
+        self.binding = self._binding(0, self.max_batch)  # the last call's
 
     def _check_graph(self) -> None:
         sc = self.sidecar
@@ -81,9 +85,13 @@ class OrtBackend(CacheList):
                               f"{got_in[:4]}..., outputs {got_out[:3]}...; sidecar {want_in[:4]}..., "
                               f"{want_out[:3]}...; re-export")
 
-    def _bind(self, first_row: int, batch: int) -> None:
-        """Bind caches (past and present to one buffer) and logits for these cache rows."""
-        b = self.binding
+    def _binding(self, first_row: int, batch: int) -> ort.IOBinding:
+        """The binding of these cache rows: caches (past and present to one buffer) and logits, bound once (kvedge
+        serve alternates between a prompt's row and the decoding rows every step)."""
+        b = self._bindings.get((first_row, batch))
+        if b is not None:
+            return b
+        b = self._bindings[(first_row, batch)] = self.session.io_binding()
         for (name, out), t in zip(self.sidecar.cache_pairs, self.caches):
             view = t[first_row:first_row + batch]  # rows of a C-contiguous tensor: contiguous, same storage
             shape = list(view.shape)
@@ -91,7 +99,7 @@ class OrtBackend(CacheList):
             b.bind_output(out, "cpu", 0, NUMPY[t.dtype], shape, view.data_ptr())
         lg = self.logits[:batch]
         b.bind_output("logits", "cpu", 0, NUMPY[lg.dtype], list(lg.shape), lg.data_ptr())
-        self._bound = (first_row, batch)
+        return b
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
                 logits_index: torch.Tensor, first_row: int = 0) -> torch.Tensor:
@@ -99,8 +107,7 @@ class OrtBackend(CacheList):
         until the next call)."""
         batch = input_ids.shape[0]
         check_rows(self, first_row, batch)
-        if (first_row, batch) != self._bound:
-            self._bind(first_row, batch)
+        self.binding = self._binding(first_row, batch)
         keep = [t.to(torch.int64).contiguous() for t in (input_ids, position_ids, logits_index)]
         for name, t in zip(TOKEN_INPUTS, keep):  # `keep` holds the buffers alive through the run
             self.binding.bind_input(name, "cpu", 0, np.int64, list(t.shape), t.data_ptr())

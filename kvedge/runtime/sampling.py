@@ -69,3 +69,28 @@ def next_tokens(logits: torch.Tensor, params: SamplingParams, generator: torch.G
     logits = filter_logits(logits / params.temperature, params.top_k, params.top_p)
     probs = torch.softmax(logits, dim=-1)
     return torch.multinomial(probs, 1, generator=generator)[:, 0]
+
+
+class Sampler:
+    """The sampling state of a batch of sequences: their parameters, the generator their draws use (None: torch's
+    global one) and, with a repetition penalty, the tokens each row holds (prompt and output so far)."""
+
+    def __init__(self, params: SamplingParams, prompts: list[list[int]], vocab_size: int,
+                 generator: torch.Generator | None = None):
+        self.params, self.generator, self.seen = params, generator, None
+        if params.repetition_penalty != 1.0:
+            self.seen = torch.zeros(len(prompts), vocab_size, dtype=torch.bool)
+            for r, row in enumerate(prompts):
+                self.seen[r, row] = True
+
+    @property
+    def argmax(self) -> bool:
+        """Its next token is the logits' argmax (greedy, no penalty), so a caller may take it from a batch's."""
+        return self.params.greedy and self.seen is None
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits [B, V] -> the rows' next tokens [B] (int64), which join what each row holds."""
+        tokens = next_tokens(logits.float(), self.params, self.generator, self.seen)
+        if self.seen is not None:
+            self.seen[torch.arange(len(tokens)), tokens] = True
+        return tokens

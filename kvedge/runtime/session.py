@@ -19,10 +19,20 @@ import torch
 
 from kvedge.errors import KvedgeError
 from kvedge.runtime.backend import Backend
-from kvedge.runtime.sampling import SamplingParams, next_tokens
-from kvedge.runtime.tokenizer import TextStream, Tokenizer, eos_ids
+from kvedge.runtime.sampling import Sampler, SamplingParams
+from kvedge.runtime.tokenizer import Output, Tokenizer, eos_ids
 
 Ids = Sequence[int] | Sequence[Sequence[int]] | torch.Tensor
+
+
+def check_ids(row: list, vocab_size: int, what: str) -> None:
+    """Raise KvedgeError unless `row` (`what`, for the message) is a non-empty list of token ids: ints, not
+    bools, in [0, vocab_size). Session's inputs and kvedge serve's prompts alike."""
+    if not row:
+        raise KvedgeError(f"{what} is empty")
+    for i, t in enumerate(row):
+        if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size:
+            raise KvedgeError(f"token id {t!r} at position {i} of {what} is outside the vocabulary [0, {vocab_size})")
 
 
 @dataclass
@@ -74,13 +84,8 @@ class Session:
         rows = [list(r) for r in ids] if isinstance(ids[0], (list, tuple)) else [list(ids)]
         if len(rows) > self.backend.max_batch:
             raise KvedgeError(f"batch {len(rows)} exceeds this session's max_batch {self.backend.max_batch}")
-        v = self.cfg.vocab_size
         for r, row in enumerate(rows):
-            if not row:
-                raise KvedgeError(f"row {r} of the input is empty")
-            for i, t in enumerate(row):
-                if not isinstance(t, int) or not 0 <= t < v:
-                    raise KvedgeError(f"token id {t!r} at row {r}, position {i} is outside the vocabulary [0, {v})")
+            check_ids(row, self.cfg.vocab_size, f"row {r} of the input")
         return rows
 
     def _fit(self, rows: list[list[int]], reserve: int, truncate: bool) -> list[list[int]]:
@@ -175,61 +180,29 @@ class Session:
         if max_new_tokens < 1:
             raise KvedgeError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         rows = self._fit(self._encode_prompts(prompt, chat), max_new_tokens, truncate)
-        eos = self._eos_ids(eos_token_id)
+        eos = frozenset(self._eos_ids(eos_token_id))
         gen = torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None
-        b = len(rows)
-        seen = None
-        if sampling.repetition_penalty != 1.0:
-            seen = torch.zeros(b, self.cfg.vocab_size, dtype=torch.bool)
-            for r, row in enumerate(rows):
-                seen[r, row] = True
-        tok = self.tokenizer
-        out_tokens: list[list[int]] = [[] for _ in range(b)]
-        streams = [TextStream(tok, stop) for _ in range(b)] if tok is not None else None
-        reasons = [""] * b
-        done = torch.zeros(b, dtype=torch.bool)
-        eos_t = torch.tensor(sorted(eos), dtype=torch.long) if eos else None
+        sample = Sampler(sampling, rows, self.cfg.vocab_size, gen)
+        outs = [Output(self.tokenizer, stop, eos, max_new_tokens) for _ in rows]
 
         t0 = time.perf_counter()
         logits = self.prefill(rows)
         t1 = time.perf_counter()
         steps = 0
-        for i in range(max_new_tokens):
-            nxt = next_tokens(logits.float(), sampling, gen, seen)
-            if seen is not None:
-                seen[torch.arange(b), nxt] = True
-            ids = nxt.tolist()
-            for r in range(b):
-                if done[r]:
-                    continue
-                out_tokens[r].append(ids[r])
-                if eos_t is not None and ids[r] in eos:
-                    done[r], reasons[r] = True, "eos"
-                    continue
-                if streams is not None:
-                    streams[r].add(ids[r])
-                    new, stopped = streams[r].take()
-                    if new:
+        while True:
+            ids = sample(logits).tolist()
+            for r, out in enumerate(outs):
+                if out.finish is None:
+                    new = out.add(ids[r])
+                    if new or (self.tokenizer is None and out.finish != "eos"):  # ids alone: each but the EOS
                         yield r, ids[r], new
-                    if stopped:
-                        done[r], reasons[r] = True, "stop"
-                else:
-                    yield r, ids[r], ""
-            if bool(done.all()) or i == max_new_tokens - 1:
+            if all(out.finish is not None for out in outs):
                 break
-            logits = self.decode(nxt)
+            logits = self.decode(ids)
             steps += 1
         t2 = time.perf_counter()
-        texts = [""] * b
-        for r in range(b):
-            if not reasons[r]:
-                reasons[r] = "length"
-            if streams is not None:
-                rest, _ = streams[r].take(final=True)  # what was held back: partial bytes, a stop string's start
-                if rest:
-                    yield r, out_tokens[r][-1], rest
-                texts[r] = streams[r].text
-        result.append(GenerationResult(out_tokens, texts, reasons, [len(r) for r in rows], t1 - t0, t2 - t1, steps))
+        result.append(GenerationResult([o.tokens for o in outs], [o.text.text if o.text else "" for o in outs],
+                                       [o.finish for o in outs], [len(r) for r in rows], t1 - t0, t2 - t1, steps))
 
     def _eos_ids(self, eos_token_id) -> set[int]:
         if eos_token_id is None:

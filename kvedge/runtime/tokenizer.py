@@ -133,3 +133,32 @@ class TextStream:
             self.taken.append(piece)
         self.stopped = bool(hits)
         return piece, self.stopped
+
+
+class Output:
+    """One generated sequence as it grows: its tokens, the text they make certain, and why it ended, for
+    Session and kvedge serve alike. `finish`: None while it runs, then "eos" (an end-of-sequence token, kept in
+    `tokens`, not in the text), "stop" (a stop string, cut from the text) or "length" (max_tokens)."""
+
+    def __init__(self, tokenizer: Tokenizer | None, stop: tuple[str, ...] | list[str] = (),
+                 eos: frozenset[int] | set[int] = frozenset(), max_tokens: int = 2 ** 62):
+        self.text = TextStream(tokenizer, stop) if tokenizer is not None else None  # None: token ids only
+        self.eos, self.max_tokens = eos, max_tokens
+        self.tokens: list[int] = []
+        self.finish: str | None = None
+
+    def add(self, token: int) -> str:
+        """Append the next token; returns the text it made certain (with the last token, all that was held
+        back) and sets `finish` if the sequence ends with it."""
+        self.tokens.append(token)
+        if token in self.eos:
+            self.finish = "eos"
+        elif self.text is not None:
+            self.text.add(token)
+        last = self.finish is not None or len(self.tokens) >= self.max_tokens
+        new, stopped = self.text.take(final=last) if self.text is not None else ("", False)
+        if stopped:
+            self.finish = "stop"
+        elif last and self.finish is None:
+            self.finish = "length"
+        return new

@@ -150,8 +150,9 @@ class ChatCompletion(Completion):
 
 
 class Api:
-    """The routes over one scheduler. Requests are parsed and checked on the event loop; generation runs on the
-    scheduler's thread, whose events come back through call_soon_threadsafe."""
+    """The routes over one scheduler. Requests are parsed and checked on the event loop (prompts tokenized in a
+    worker thread); generation runs on the scheduler's thread, whose events come back through
+    call_soon_threadsafe."""
 
     def __init__(self, scheduler: Scheduler, model_name: str, api_key: str | None = None,
                  max_body_bytes: int = MAX_BODY_BYTES):
@@ -297,7 +298,7 @@ class Api:
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]
         if isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt)
+            ids = await asyncio.to_thread(self.tokenizer.encode, prompt)  # a long prompt: not on the loop
         elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             ids = prompt
         elif isinstance(prompt, list) and all(isinstance(p, (str, list)) for p in prompt):
@@ -319,13 +320,16 @@ class Api:
                                     f"(tool messages are not supported)", "messages")
             role = "system" if m["role"] == "developer" else m["role"]
             rendered.append({"role": role, "content": _text_content(m.get("content"), f"messages[{i}]")})
-        try:
-            text = self.tokenizer.apply_chat_template(rendered)
+        max_tokens = _get(body, "max_completion_tokens", (int,), _get(body, "max_tokens", (int,)))
+        try:  # rendering and tokenizing a long conversation: off the event loop
+            ids = await asyncio.to_thread(self._chat_ids, rendered)
         except KvedgeError as e:
             raise ApiError(400, str(e), "messages") from None
-        max_tokens = _get(body, "max_completion_tokens", (int,), _get(body, "max_tokens", (int,)))
-        job = self._job(body, self.tokenizer.encode(text, add_special_tokens=False), max_tokens)
+        job = self._job(body, ids, max_tokens)
         return await self._run(request, job, *self._stream_flags(body), ChatCompletion())
+
+    def _chat_ids(self, messages: list[dict]) -> list[int]:
+        return self.tokenizer.encode(self.tokenizer.apply_chat_template(messages), add_special_tokens=False)
 
     async def models(self, request):
         return JSONResponse({"object": "list", "data": [

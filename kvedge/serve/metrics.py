@@ -36,7 +36,7 @@ class Metrics:
     def finished(self, job, outcome: str) -> None:
         self.requests.labels(outcome).inc()
         self.prompt_tokens.inc(job.filled)
-        self.completion_tokens.inc(len(job.tokens))
+        self.completion_tokens.inc(len(job.out.tokens) if job.out else 0)
 
     def refused(self, outcome: str) -> None:
         self.requests.labels(outcome).inc()

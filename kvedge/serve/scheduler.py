@@ -33,8 +33,9 @@ import torch
 
 from kvedge.errors import KvedgeError
 from kvedge.runtime.backend import Backend
-from kvedge.runtime.sampling import SamplingParams, next_tokens
-from kvedge.runtime.tokenizer import TextStream, Tokenizer
+from kvedge.runtime.sampling import Sampler, SamplingParams
+from kvedge.runtime.session import check_ids
+from kvedge.runtime.tokenizer import Output, Tokenizer
 
 
 log = logging.getLogger("kvedge.serve")
@@ -70,12 +71,10 @@ class Job:
     # the scheduler's own state
     row: int = -1
     filled: int = 0  # prompt tokens in the cache
-    tokens: list[int] = field(default_factory=list)
-    text: TextStream | None = None  # its text so far, handed out as it becomes certain
-    finish: str | None = None
+    out: Output | None = None  # its tokens and text so far, and why it ended
+    finish: str | None = None  # "stop" (an EOS or a stop string), "length", "error" or "cancelled"
     order: int = 0
-    generator: torch.Generator | None = None
-    seen: torch.Tensor | None = None  # [1, V] bool: tokens so far, for the repetition penalty
+    sample: Sampler | None = None
     arrived: float = field(default_factory=time.perf_counter)
     last_token_at: float = 0.0
 
@@ -112,12 +111,8 @@ class Scheduler:
     def check(self, job: Job) -> None:
         """Raise KvedgeError (the server's 400) unless the job can run: ids in the vocabulary, prompt +
         max_tokens within the cache."""
-        v, n = self.backend.cfg.vocab_size, len(job.prompt)
-        if n == 0:
-            raise KvedgeError("the prompt is empty")
-        bad = next((t for t in job.prompt if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < v), None)
-        if bad is not None:
-            raise KvedgeError(f"token id {bad!r} of the prompt is outside the vocabulary [0, {v})")
+        n = len(job.prompt)
+        check_ids(job.prompt, self.backend.cfg.vocab_size, "the prompt")
         if job.max_tokens < 1:
             raise KvedgeError(f"max_tokens must be >= 1, got {job.max_tokens}")
         if n + job.max_tokens > self.max_seq_len:
@@ -128,11 +123,9 @@ class Scheduler:
         """Check a job and queue it; QueueFull when max_queue jobs already wait (past the free rows)."""
         self.check(job)
         seed = job.sampling.seed
-        job.generator = torch.Generator().manual_seed(seed if seed is not None else random.randrange(2 ** 63))
-        job.text = TextStream(self.tokenizer, job.stop)
-        if job.sampling.repetition_penalty != 1.0:
-            job.seen = torch.zeros(1, self.backend.cfg.vocab_size, dtype=torch.bool)
-            job.seen[0, job.prompt] = True
+        generator = torch.Generator().manual_seed(seed if seed is not None else random.randrange(2 ** 63))
+        job.sample = Sampler(job.sampling, [job.prompt], self.backend.cfg.vocab_size, generator)
+        job.out = Output(self.tokenizer, job.stop, job.eos, job.max_tokens)
         with self._cond:
             if self._closed:
                 raise KvedgeError("the server is shutting down")
@@ -213,7 +206,7 @@ class Scheduler:
                 break
             used += n
             self._guard([job], self._prefill_chunk, job, n)
-        decoding = [j for j in self.rows if j is not None and j.filled == len(j.prompt) and j.tokens]
+        decoding = [j for j in self.rows if j is not None and j.filled == len(j.prompt) and j.out.tokens]
         if decoding:
             self._guard(decoding, self._decode, decoding)
 
@@ -231,40 +224,34 @@ class Scheduler:
         logits = self.backend.forward(ids, torch.arange(s, s + n)[None], torch.tensor([n - 1]), first_row=job.row)
         job.filled += n
         if job.filled == len(job.prompt):
-            self._sample(job, logits[:, 0])
+            self._add(job, int(job.sample(logits[:, 0])[0]))
 
     def _decode(self, jobs: list[Job]) -> None:
         lo, hi = min(j.row for j in jobs), max(j.row for j in jobs) + 1
-        ids, pos = torch.zeros(hi - lo, 1, dtype=torch.long), torch.zeros(hi - lo, 1, dtype=torch.long)
-        for r in range(lo, hi):
-            job = self.rows[r]
+        ids, pos = [0] * (hi - lo), [0] * (hi - lo)
+        for r, job in enumerate(self.rows[lo:hi]):
             if job is None:
                 continue
-            if job.tokens:  # decoding: its last token goes in at the slot after the ones it holds
-                ids[r - lo, 0], pos[r - lo, 0] = job.tokens[-1], len(job.prompt) + len(job.tokens) - 1
+            if job.out.tokens:  # decoding: its last token goes in at the slot after the ones it holds
+                ids[r], pos[r] = job.out.tokens[-1], len(job.prompt) + len(job.out.tokens) - 1
             else:  # prefilling: padding at its next free slot, overwritten by its next chunk
-                pos[r - lo, 0] = job.filled
-        logits = self.backend.forward(ids, pos, torch.zeros(hi - lo, dtype=torch.long), first_row=lo)[:, 0]
+                pos[r] = job.filled
+        logits = self.backend.forward(torch.tensor(ids)[:, None], torch.tensor(pos)[:, None],
+                                      torch.zeros(hi - lo, dtype=torch.long), first_row=lo)[:, 0]
+        best = logits.argmax(-1).tolist()  # every plain greedy row's token in one call
         for job in jobs:
-            self._sample(job, logits[job.row - lo:job.row - lo + 1])
+            r = job.row - lo
+            self._add(job, best[r] if job.sample.argmax else int(job.sample(logits[r:r + 1])[0]))
 
-    def _sample(self, job: Job, logits: torch.Tensor) -> None:
+    def _add(self, job: Job, token: int) -> None:
         """The job's next token: one text event (possibly empty), then its end if it is the last."""
-        token = int(next_tokens(logits.float(), job.sampling, job.generator, job.seen)[0])
-        if job.seen is not None:
-            job.seen[0, token] = True
-        job.tokens.append(token)
         now = time.perf_counter()
         if self.metrics is not None:
-            self.metrics.token(now - (job.last_token_at or job.arrived), first=len(job.tokens) == 1)
+            self.metrics.token(now - (job.last_token_at or job.arrived), first=not job.out.tokens)
         job.last_token_at = now
-        last = token in job.eos or len(job.tokens) >= job.max_tokens
-        if token not in job.eos:
-            job.text.add(token)
-        text, stopped = job.text.take(final=last)
-        self._emit(job, Event(text))
-        if stopped or last:
-            self._end(job, "length" if not stopped and token not in job.eos else "stop")
+        self._emit(job, Event(job.out.add(token)))
+        if job.out.finish is not None:  # OpenAI's finish reasons: an EOS token is a "stop"
+            self._end(job, "length" if job.out.finish == "length" else "stop")
 
     def _end(self, job: Job, finish: str, error: str = "") -> None:
         """The job's last event (none to a cancelled job's client, who is gone); its row is free from now on."""
@@ -274,7 +261,7 @@ class Scheduler:
         if self.metrics is not None:
             self.metrics.finished(job, finish)
         if finish != "cancelled":
-            self._emit(job, Event(finish=finish, error=error, completion_tokens=len(job.tokens)))
+            self._emit(job, Event(finish=finish, error=error, completion_tokens=len(job.out.tokens) if job.out else 0))
 
     def _emit(self, job: Job, event: Event) -> None:
         try:

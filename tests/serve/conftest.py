@@ -17,13 +17,13 @@ BACKENDS = ["native", "torch", "onnxruntime"]
 
 @pytest.fixture(scope="session")
 def open_session(demo_export, tmp_path_factory):
-    """open_session(backend, max_batch, max_seq_len=SEQ) -> a Session on the demo model (onnxruntime: its
-    export, shared with tests/runtime, whose cache length is SEQ; exported only when asked for)."""
+    """open_session(backend, max_batch, max_seq_len=SEQ, kv_dtype=None) -> a Session on the demo model
+    (onnxruntime: its export, shared with tests/runtime, whose cache length is SEQ; exported only when asked for)."""
     from kvedge.models.demo import write_demo_checkpoint
 
     ckpt = write_demo_checkpoint(tmp_path_factory.mktemp("serve") / "demo")
 
-    def get(backend: str, max_batch: int, max_seq_len: int = SEQ):
+    def get(backend: str, max_batch: int, max_seq_len: int = SEQ, kv_dtype: str | None = None):
         from kvedge.runtime import load
 
         if backend == "native" and shutil.which("cc") is None and shutil.which("gcc") is None:
@@ -31,7 +31,8 @@ def open_session(demo_export, tmp_path_factory):
         path = demo_export(SEQ, 2)[1] if backend == "onnxruntime" else ckpt
         # one thread: the demo model is small, and a team of threads on a busy 2-core machine waits on its
         # slowest member (torch's count is process-wide: left as it is)
-        return load(path, backend, max_batch=max_batch, max_seq_len=max_seq_len, threads=int(backend != "torch"))
+        return load(path, backend, max_batch=max_batch, max_seq_len=max_seq_len, threads=int(backend != "torch"),
+                    kv_dtype=kv_dtype)
 
     return get
 

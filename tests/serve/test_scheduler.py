@@ -62,13 +62,13 @@ def run_until_done(sched: Scheduler, jobs: list[Job], submit_at: list[int], limi
     raise AssertionError("the scheduler did not finish")
 
 
-@pytest.mark.parametrize("name", BACKENDS)
-def test_requests_among_others_equal_each_alone_on_a_plain_session(name, open_session):
-    session = open_session(name, 3, max_seq_len=64)  # onnxruntime: the export's 256
+@pytest.mark.parametrize("name,kv_dtype", [(b, None) for b in BACKENDS] + [("native", "int8")])
+def test_requests_among_others_equal_each_alone_on_a_plain_session(name, kv_dtype, open_session):
+    session = open_session(name, 3, max_seq_len=64, kv_dtype=kv_dtype)  # onnxruntime: the export's 256
     logged = Logged(session.backend)
     sched = Scheduler(logged, session.tokenizer, max_queue=4, chunk_size=8)
     ps = prompts()
-    reference = open_session(name, 1, max_seq_len=64)
+    reference = open_session(name, 1, max_seq_len=64, kv_dtype=kv_dtype)
     refs = [reference.generate([p], max_new_tokens=m, sampling=s) for p, m, s in zip(ps, MAX_TOKENS, SAMPLING)]
     stop = refs[2].texts[0][3:5]  # a stop string the third request meets
     refs[2] = reference.generate([ps[2]], max_new_tokens=MAX_TOKENS[2], sampling=SAMPLING[2], stop=[stop])
@@ -79,7 +79,7 @@ def test_requests_among_others_equal_each_alone_on_a_plain_session(name, open_se
             for i, (p, m, s, rec) in enumerate(zip(ps, MAX_TOKENS, SAMPLING, recs))]
     run_until_done(sched, jobs, SUBMIT_AT)
     for job, rec, ref in zip(jobs, recs, refs):
-        assert job.tokens == ref.tokens[0]
+        assert job.out.tokens == ref.tokens[0]
         assert rec.text == ref.texts[0]
         assert rec.finish == {"eos": "stop"}.get(ref.finish_reasons[0], ref.finish_reasons[0])
     # the 30-token prompt went in as 4 chunks, with decode steps of the other rows between them
@@ -128,14 +128,14 @@ def test_a_cancelled_request_frees_its_row_for_the_next(open_session):
     sched.submit(nxt)
     for _ in range(4):
         sched.step()
-    n = len(long.tokens)
+    n = len(long.out.tokens)
     assert nxt.row == -1 and 4 <= n < 200
     sched.cancel(long)
     sched.step()
     assert long.finish == "cancelled" and first.finish is None  # no event to a client that is gone
-    assert sched.rows == [nxt] and len(long.tokens) == n
+    assert sched.rows == [nxt] and len(long.out.tokens) == n
     run_until_done(sched, [], [0])
-    assert second.finish == "length" and len(nxt.tokens) == 5
+    assert second.finish == "length" and len(nxt.out.tokens) == 5
 
 
 def test_a_failing_request_ends_with_an_error_and_the_others_go_on(open_session):
@@ -155,4 +155,4 @@ def test_a_failing_request_ends_with_an_error_and_the_others_go_on(open_session)
     assert [r.finish for r in recs] == ["length", "error", "length"]
     alone = open_session("native", 1)
     for job in (jobs[0], jobs[2]):
-        assert job.tokens == alone.generate([job.prompt], max_new_tokens=6, eos_token_id=None).tokens[0]
+        assert job.out.tokens == alone.generate([job.prompt], max_new_tokens=6, eos_token_id=None).tokens[0]

@@ -293,7 +293,7 @@ BAD = [  # (path, body, status, what the message says)
     ("/completions", {"prompt": [0, 5], "stop": [1]}, 400, "'stop' must be at most 4 non-empty strings"),
     ("/chat/completions", {"messages": "hi"}, 400, "'messages' must be a non-empty list"),
     ("/chat/completions", {"messages": [{"role": "user", "content": 5}]}, 400, "content must be a string"),
-    ("/completions", {"prompt": [0, 999]}, 400, "token id 999 of the prompt is outside the vocabulary [0, 259)"),
+    ("/completions", {"prompt": [0, 999]}, 400, "token id 999 at position 1 of the prompt is outside the vocabulary [0, 259)"),
     ("/completions", {"prompt": [0] * 300}, 400, "300 tokens + max_tokens 16 exceed the context length 256"),
     ("/completions", {"prompt": [0, 5], "max_tokens": 300}, 400, "exceed the context length 256"),
     ("/completions", {"prompt": [0, 5], "max_tokens": 0}, 400, "max_tokens must be >= 1"),
