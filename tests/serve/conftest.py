@@ -37,6 +37,31 @@ def open_session(demo_export, tmp_path_factory):
     return get
 
 
+class Proxy:
+    """A backend as the scheduler sees it, for the tests: each forward's (ids shape, first_row) recorded in
+    `calls` (unless log=False: a long-running server would grow it), a failure injected where fail(ids,
+    first_row) holds, and at least `delay` seconds a forward, so that a stream is still flowing while a test
+    does something else."""
+
+    def __init__(self, backend, fail=None, delay: float = 0.0, log: bool = True):
+        self.backend, self.fail, self.delay, self.calls = backend, fail, delay, [] if log else None
+        self.cfg, self.max_batch, self.max_seq_len = backend.cfg, backend.max_batch, backend.max_seq_len
+
+    def forward(self, ids, pos, last, first_row=0):
+        if self.calls is not None:
+            self.calls.append((tuple(ids.shape), first_row))
+        if self.delay:
+            time.sleep(self.delay)
+        if self.fail is not None and self.fail(ids, first_row):
+            raise RuntimeError("injected failure")
+        return self.backend.forward(ids, pos, last, first_row=first_row)
+
+
+def openai_finish(reason: str) -> str:
+    """A Session's finish reason as the OpenAI API says it: an EOS token is a "stop"."""
+    return {"eos": "stop"}.get(reason, reason)
+
+
 @dataclass
 class Served:
     url: str  # http://127.0.0.1:PORT/v1

@@ -10,7 +10,7 @@ import torch
 from kvedge.errors import KvedgeError
 from kvedge.runtime import SamplingParams
 from kvedge.serve.scheduler import Job, QueueFull, Scheduler
-from tests.serve.conftest import BACKENDS
+from tests.serve.conftest import BACKENDS, Proxy, openai_finish
 
 LENGTHS = [5, 20, 13, 30, 3, 9]  # prompt lengths; 20 and 30 span several chunks of 8
 MAX_TOKENS = [12, 6, 20, 8, 15, 10]
@@ -37,20 +37,6 @@ class Recorder:
         self.finish, self.events = event.finish, self.events + 1
 
 
-class Logged:
-    """A backend that records the shape and first row of every forward."""
-
-    def __init__(self, backend, fail=None):
-        self.backend, self.calls, self.fail = backend, [], fail
-        self.cfg, self.max_batch, self.max_seq_len = backend.cfg, backend.max_batch, backend.max_seq_len
-
-    def forward(self, ids, pos, last, first_row=0):
-        self.calls.append((tuple(ids.shape), first_row))
-        if self.fail is not None and self.fail(ids, first_row):
-            raise RuntimeError("injected failure")
-        return self.backend.forward(ids, pos, last, first_row=first_row)
-
-
 def run_until_done(sched: Scheduler, jobs: list[Job], submit_at: list[int], limit: int = 2000) -> None:
     for step in range(limit):
         for job, at in zip(jobs, submit_at):
@@ -65,7 +51,7 @@ def run_until_done(sched: Scheduler, jobs: list[Job], submit_at: list[int], limi
 @pytest.mark.parametrize("name,kv_dtype", [(b, None) for b in BACKENDS] + [("native", "int8")])
 def test_requests_among_others_equal_each_alone_on_a_plain_session(name, kv_dtype, open_session):
     session = open_session(name, 3, max_seq_len=64, kv_dtype=kv_dtype)  # onnxruntime: the export's 256
-    logged = Logged(session.backend)
+    logged = Proxy(session.backend)
     sched = Scheduler(logged, session.tokenizer, max_queue=4, chunk_size=8)
     ps = prompts()
     reference = open_session(name, 1, max_seq_len=64, kv_dtype=kv_dtype)
@@ -81,7 +67,7 @@ def test_requests_among_others_equal_each_alone_on_a_plain_session(name, kv_dtyp
     for job, rec, ref in zip(jobs, recs, refs):
         assert job.out.tokens == ref.tokens[0]
         assert rec.text == ref.texts[0]
-        assert rec.finish == {"eos": "stop"}.get(ref.finish_reasons[0], ref.finish_reasons[0])
+        assert rec.finish == openai_finish(ref.finish_reasons[0])
     # the 30-token prompt went in as 4 chunks, with decode steps of the other rows between them
     chunks = [i for i, (shape, row) in enumerate(logged.calls) if shape[1] > 1 and row == jobs[3].row]
     assert [logged.calls[i][0] for i in chunks[-4:]] == [(1, 8), (1, 8), (1, 8), (1, 6)]
@@ -112,7 +98,7 @@ def test_a_double_buffered_backend_is_refused(open_session):
     """A backend whose cache is double-buffered (kvedge.runtime.backend: in_place False, as TensorRT without an
     in-place cache update) leaves the rows a call skips stale; the scheduler refuses it up front."""
     session = open_session("native", 2, max_seq_len=64)
-    backend = Logged(session.backend)
+    backend = Proxy(session.backend)
     backend.name, backend.in_place = "tensorrt", False
     with pytest.raises(KvedgeError, match="double-buffers its cache"):
         Scheduler(backend, session.tokenizer)
@@ -148,7 +134,7 @@ def test_a_failing_request_ends_with_an_error_and_the_others_go_on(open_session)
             return True
         return False
 
-    sched = Scheduler(Logged(session.backend, fail), session.tokenizer)
+    sched = Scheduler(Proxy(session.backend, fail), session.tokenizer)
     recs = [Recorder() for _ in range(3)]
     jobs = [Job(p, 6, emit=rec) for p, rec in zip(prompts(3), recs)]
     run_until_done(sched, jobs, [0, 0, 0])

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from kvedge.runtime import SamplingParams, Session
-from tests.serve.conftest import client, serving
+from tests.serve.conftest import Proxy, client, openai_finish, serving
 
 openai = pytest.importorskip("openai", reason="the serve tests talk with the official openai client (test extra)")
 
@@ -46,30 +46,13 @@ def fast(open_session):
         yield s
 
 
-class Slow:
-    """A backend that takes at least `delay` seconds a step, so that a stream is still flowing while the test
-    does something else."""
-
-    def __init__(self, backend, delay=0.01):
-        self.backend, self.delay = backend, delay
-        self.cfg, self.max_batch, self.max_seq_len = backend.cfg, backend.max_batch, backend.max_seq_len
-
-    def forward(self, *args, **kw):
-        time.sleep(self.delay)
-        return self.backend.forward(*args, **kw)
-
-
 @pytest.fixture(scope="module")
 def slow(open_session):
     """2 rows of a slowed backend, at most 1 waiting."""
     session = open_session("native", 2)
-    with serving(Session(Slow(session.backend), session.tokenizer), api_key=KEY, max_queue=1,
+    with serving(Session(Proxy(session.backend, delay=0.01, log=False), session.tokenizer), api_key=KEY, max_queue=1,
                  max_body_bytes=16 << 10) as s:
         yield s
-
-
-def finish(ref) -> str:
-    return {"eos": "stop"}.get(ref.finish_reasons[0], ref.finish_reasons[0])
 
 
 def metric(url: str, line: str) -> float:
@@ -85,12 +68,12 @@ def test_completions_and_chat_streamed_or_not_equal_a_plain_session(fast, refere
     ids = [0, 72, 101, 108, 108, 111]
     ref = reference.generate([ids], max_new_tokens=10)
     r = c.completions.create(model="demo", prompt=ids, max_tokens=10, temperature=0)
-    assert (r.choices[0].text, r.choices[0].finish_reason) == (ref.texts[0], finish(ref))
+    assert (r.choices[0].text, r.choices[0].finish_reason) == (ref.texts[0], openai_finish(ref.finish_reasons[0]))
     assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (6, 10, 16)
     chunks = list(c.completions.create(model="demo", prompt=ids, max_tokens=10, temperature=0, stream=True,
                                        stream_options={"include_usage": True}))
     assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == ref.texts[0]
-    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == finish(ref)
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == openai_finish(ref.finish_reasons[0])
     assert chunks[-1].usage.completion_tokens == 10 and not chunks[-1].choices
 
     # a stop string (from the answer itself) ends it, and is neither in the text nor in the stream: the answer
@@ -108,7 +91,8 @@ def test_completions_and_chat_streamed_or_not_equal_a_plain_session(fast, refere
     messages = [{"role": "user", "content": question}]
     r = c.chat.completions.create(model="demo", messages=messages, max_completion_tokens=12, temperature=0)
     assert (r.choices[0].message.role, r.choices[0].message.content) == ("assistant", ref.texts[0])
-    assert r.choices[0].finish_reason == finish(ref) and r.usage.completion_tokens == len(ref.tokens[0])
+    assert r.choices[0].finish_reason == openai_finish(ref.finish_reasons[0])
+    assert r.usage.completion_tokens == len(ref.tokens[0])
     stream = list(c.chat.completions.create(model="demo", messages=messages, max_tokens=12, temperature=0,
                                             stream=True))
     assert stream[0].choices[0].delta.role == "assistant"
