@@ -39,6 +39,8 @@ import threading
 import time
 from pathlib import Path
 
+from kvedge.bench.latency import percentile
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -108,11 +110,6 @@ def one_round(port: int, prompts: list[list[int]], gen: int) -> list[tuple[float
     return out
 
 
-def pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))]
-
-
 def summarize(rounds) -> dict:
     decode_rates, totals, ttft, itl, steady = [], [], [], [], []
     for streams in rounds:
@@ -127,8 +124,9 @@ def summarize(rounds) -> dict:
         itl += [b - a for a, b in gaps]
         steady += inside
     return {"decode_tps": statistics.median(decode_rates) if decode_rates else float("nan"),
-            "total_tps": statistics.median(totals), "ttft_p50": pct(ttft, 50), "ttft_p99": pct(ttft, 99),
-            "itl_p50": pct(itl, 50), "itl_p99": pct(itl, 99), "steady_p99": pct(steady or [float("nan")], 99)}
+            "total_tps": statistics.median(totals), "ttft_p50": percentile(ttft, 0.5),
+            "ttft_p99": percentile(ttft, 0.99), "itl_p50": percentile(itl, 0.5), "itl_p99": percentile(itl, 0.99),
+            "steady_p99": percentile(steady or [float("nan")], 0.99)}
 
 
 def models(a, work: Path) -> tuple[Path, dict[str, Path]]:

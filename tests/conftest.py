@@ -91,11 +91,13 @@ EXPORT_SUBSET: dict[str, tuple[str, ...]] = {
     "gemma3-localrope": ("ort",),
     # MLA's attention is in the graph, the same in the three cases (their differences are in the loader and the
     # config reader): together both lowerings that express it, with and without a query rank; ort refuses it
-    # (test_export_parity's REFUSED). tests/models/test_mla.py runs ragged batches and the cache contract on these.
+    # (test_export_parity's REFUSED). test_export_parity's ragged batches and tests/models/test_mla.py's cache contract
+    # run on these.
     "deepseek_v2-mla": ("onnx",),
     "deepseek_v3-mla-noqlora": ("decomposed",),
     "minicpm3-mla": ("decomposed",),
 }
+MLA_EXPORTS = [(c, low) for c in MLA_CASES for low in EXPORT_SUBSET[c] if low != "ort"]  # ort refuses MLA
 
 
 def hf_config(model_type: str, **overrides):
@@ -115,6 +117,28 @@ def save_hf_model(path, model_type: str, seed: int = 0, **overrides):
     model = model.eval().requires_grad_(False)
     model.save_pretrained(path)
     return model
+
+
+def transformers_logits(hf, prompt: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A transformers model's logits for a prompt [b, n] and the decode that followed it (tokens [b, steps], as
+    tests/models/test_hf_parity.py's greedy returns them): the prompt's [b, n, vocab] and each step's
+    [b, steps, vocab] (step s: after the prompt and tokens[:, :s]). Teacher-forced on the whole sequence, except
+    where the model's own config makes transformers pick its RoPE frequencies per forward call from the call's
+    largest position: longrope, the long set once a position reaches original_max_position_embeddings. If the
+    sequence crosses that length after the prompt, a recompute would run on the long set throughout, which is not
+    what the prompt and then one token a call through a cache give (the prompt's keys keep the short set): then the
+    reference runs as that decode does, through transformers' own cache, one call per token."""
+    n, steps = prompt.shape[1], tokens.shape[1]
+    rope = getattr(hf.config, "rope_parameters", None) or {}
+    if not (rope.get("rope_type") == "longrope" and n <= rope["original_max_position_embeddings"] < n + steps):
+        full = hf(torch.cat([prompt, tokens], 1)).logits
+        return full[:, :n], full[:, n - 1:n - 1 + steps]
+    out = hf(prompt, use_cache=True)
+    prefill, step = out.logits, [out.logits[:, -1]]
+    for s in range(steps - 1):
+        out = hf(tokens[:, s:s + 1], past_key_values=out.past_key_values, use_cache=True)
+        step.append(out.logits[:, -1])
+    return prefill, torch.stack(step, 1)
 
 
 @pytest.fixture(scope="session")

@@ -50,7 +50,8 @@ class Result:
     peak_gpu_bytes: int | None
 
 
-def _percentile(xs: list[float], q: float) -> float:
+def percentile(xs: list[float], q: float) -> float:
+    """The q-quantile of xs (q in [0, 1]), interpolated linearly between the two nearest ranks."""
     xs = sorted(xs)
     k = (len(xs) - 1) * q
     lo, hi = int(k), min(int(k) + 1, len(xs) - 1)
@@ -99,8 +100,8 @@ def measure(session, prompt_len: int, batch: int, gen_len: int, warmup: int, rep
     ttft, steps = runs[len(runs) // 2]
     mean = statistics.fmean(steps) if steps else float("nan")
     return dict(ttft_ms=ttft * 1e3, prefill_tokens_per_s=batch * prompt_len / ttft,
-                decode_ms_p50=_percentile(steps, 0.5), decode_ms_p90=_percentile(steps, 0.9),
-                decode_ms_p99=_percentile(steps, 0.99), decode_ms_mean=mean,
+                decode_ms_p50=percentile(steps, 0.5), decode_ms_p90=percentile(steps, 0.9),
+                decode_ms_p99=percentile(steps, 0.99), decode_ms_mean=mean,
                 decode_tokens_per_s=1e3 / mean, decode_tokens_per_s_total=batch * 1e3 / mean)
 
 

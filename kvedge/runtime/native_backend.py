@@ -147,6 +147,7 @@ def compile_engine(flags: tuple[str, ...] = FLAGS, cache_dir: str | Path | None 
     dll.kv_forward.argtypes = [ctypes.POINTER(Model), ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
                                ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
     dll.kv_forward.restype = None
+    dll.kv_decode_slices.argtypes = [ctypes.POINTER(Model), ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
     return dll
 
 

@@ -13,8 +13,7 @@ from kvedge.export import LOWERINGS, ExportOptions, export
 from kvedge.export.lowerings import ORT_LOWERINGS
 from kvedge.models import KVCache, load_decoder
 from kvedge.runtime.ort_backend import OrtBackend
-from tests.conftest import ARCH_CASES, EXPORT_SUBSET
-from tests.conftest import MAX_SEQ
+from tests.conftest import ARCH_CASES, EXPORT_SUBSET, MAX_SEQ, MLA_EXPORTS
 
 PROMPT, STEPS, TOL = 16, 16, 1e-4
 
@@ -77,9 +76,17 @@ def test_onnxruntime_matches_pytorch(case, lowering, exported, hf_checkpoint):
     assert worst < TOL and agree
 
 
-@pytest.mark.parametrize("lowering", ["onnx", "decomposed", "ort"])
-@pytest.mark.parametrize("case", ["llama-gqa4-llama3rope", "mistral-window", "gpt2", "qwen3-qknorm"])
+# four architectures on the three lowerings, and MLA's cases on those of their lowerings that express it (ort refuses
+# it: REFUSED)
+RAGGED = [pytest.param(c, low, id=f"{c}-{low}") for c in ("llama-gqa4-llama3rope", "mistral-window", "gpt2",
+                                                            "qwen3-qknorm") for low in ("onnx", "decomposed", "ort")]
+RAGGED += [pytest.param(c, low, id=f"{c}-{low}") for c, low in MLA_EXPORTS]
+
+
+@pytest.mark.parametrize("case,lowering", RAGGED)
 def test_batch_with_different_prompt_lengths(case, lowering, exported, hf_checkpoint):
+    """Right-padded prompts of 16, 7 and 11 tokens (each row its own positions), then greedy decode (the torch side
+    of ragged batches: tests/models/test_hf_parity.py)."""
     out, _ = exported(case, lowering)
     model = load_decoder(hf_checkpoint(case)[0])
     g = torch.Generator().manual_seed(6)

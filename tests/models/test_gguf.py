@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from kvedge.errors import CheckpointError, ConfigError
-from kvedge.models import KVCache, load_config, load_decoder, rope
+from kvedge.models import KVCache, load_config, load_decoder
 from kvedge.models.gguf import QUANT_TYPES, write_hf_folder
 from kvedge.models.quant import QuantLinear, dequantize
-from tests.conftest import ARCH_CASES
+from tests.conftest import ARCH_CASES, transformers_logits
 from tests.gguf_files import (GGUF_ARCH, PERMUTED_QK, gguf_state_dict, llama_unpermute, save_hf_checkpoint,
                               transformers_reference, write_gguf)
 from tests.models.test_hf_parity import greedy
@@ -103,20 +103,11 @@ def reference(case, path, hf_model):
 
 
 def assert_matches(model, ref, vocab, seed=1):
-    """Prefill and greedy decode through kvedge's cache against the reference, teacher-forced (with longrope,
-    through the reference's own cache: its frequencies switch per forward, as test_hf_parity explains)."""
+    """Prefill and greedy decode through kvedge's cache against the reference (conftest's transformers_logits:
+    teacher-forced, or with longrope through the reference's own cache)."""
     prompt = torch.randint(3, vocab, (1, PROMPT), generator=torch.Generator().manual_seed(seed))
     tokens, step_logits = greedy(model, prompt, STEPS, KVCache.allocate(model.cfg, 1, PROMPT + STEPS))
-    if rope.long_switch(model.cfg) is None:
-        full = ref(torch.cat([prompt, tokens], 1)).logits
-        want_prefill, want = full[:, :PROMPT], full[:, PROMPT - 1:PROMPT - 1 + STEPS]
-    else:
-        out = ref(prompt, use_cache=True)
-        want_prefill, want = out.logits, [out.logits[:, -1]]
-        for s in range(STEPS - 1):
-            out = ref(tokens[:, s:s + 1], past_key_values=out.past_key_values, use_cache=True)
-            want.append(out.logits[:, -1])
-        want = torch.stack(want, 1)
+    want_prefill, want = transformers_logits(ref, prompt, tokens)
     assert (step_logits - want).abs().max().item() < TOL
     got_prefill = model(prompt, torch.arange(PROMPT)[None], KVCache.allocate(model.cfg, 1, PROMPT).for_batch(1))
     assert (got_prefill - want_prefill).abs().max().item() < TOL

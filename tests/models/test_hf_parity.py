@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from kvedge.models import KVCache, load_decoder, rope
-from tests.conftest import ARCH_CASES
+from kvedge.models import KVCache, load_decoder
+from tests.conftest import ARCH_CASES, transformers_logits
 
 TOL = 1e-4
 PROMPT, STEPS = 16, 32
@@ -48,20 +48,7 @@ def test_greedy_decode_through_cache_matches_transformers(case, hf_checkpoint):
     prompt = torch.randint(3, model.cfg.vocab_size, (1, PROMPT), generator=torch.Generator().manual_seed(2))
     cache = KVCache.allocate(model.cfg, 1, PROMPT + STEPS)
     tokens, step_logits = greedy(model, prompt, STEPS, cache)
-
-    # transformers, teacher-forced on the whole sequence, gives the logits every step should have had; with
-    # longrope, transformers' own cache instead: its frequencies switch per forward call, so a 48-token
-    # recompute (long set throughout) is not what 16 + 1 + 1 ... tokens through a cache give (short keys kept).
-    full = torch.cat([prompt, tokens], 1)
-    if rope.long_switch(model.cfg) is None:
-        ref = hf(full).logits[:, PROMPT - 1:PROMPT - 1 + STEPS]
-    else:
-        out = hf(prompt, use_cache=True)
-        ref = [out.logits[:, -1]]
-        for s in range(STEPS - 1):
-            out = hf(tokens[:, s:s + 1], past_key_values=out.past_key_values, use_cache=True)
-            ref.append(out.logits[:, -1])
-        ref = torch.stack(ref, 1)
+    _, ref = transformers_logits(hf, prompt, tokens)  # the logits every step should have had
     assert (step_logits - ref).abs().max().item() < TOL
     assert torch.equal(ref.argmax(-1), tokens), "transformers' greedy choice differs from kvedge's"
 

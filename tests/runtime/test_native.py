@@ -354,10 +354,19 @@ def test_odd_thread_counts_and_wide_batches_split_the_work_correctly(hf_checkpoi
     assert a.tokens == b.tokens
 
 
-def _ragged_prefill_then_decode(model, native, cache, g, length, lasts, steps):
+def decode_slices(native, pos: torch.Tensor) -> tuple[int, ...]:
+    """Per layer, the slices the engine's decode cuts each attention item in for rows at positions pos [B, 1] on
+    its threads: kv_decode_slices, the count kv_forward itself takes (1: the item whole, no merge)."""
+    pos = pos.to(torch.int64).contiguous()
+    return tuple(native.dll.kv_decode_slices(ctypes.byref(native.m), li, pos.shape[0], pos.data_ptr(), native.threads)
+                 for li in range(native.model.cfg.num_layers))
+
+
+def _ragged_prefill_then_decode(model, native, cache, g, length, lasts, steps, slices):
     """A prefill of `length` tokens in each of the cache's rows, row b's logits taken at lasts[b] (its
-    decode continues from there), then `steps` decode steps: float32 logits of the engine and of the
-    PyTorch model over `cache` agree to 1e-5 of the largest at every step."""
+    decode continues from there), then `steps` decode steps, each of which cuts layer i's attention items in
+    slices[i] slices: float32 logits of the engine and of the PyTorch model over `cache` agree to 1e-5 of the
+    largest at every step."""
     batch = native.caches[0].shape[0]
     last = torch.tensor(lasts)[:batch]
     ids = torch.randint(3, model.cfg.vocab_size, (batch, length), generator=g)
@@ -366,30 +375,33 @@ def _ragged_prefill_then_decode(model, native, cache, g, length, lasts, steps):
         chunks.append((torch.randint(3, model.cfg.vocab_size, (batch, 1), generator=g), (last + 1 + i)[:, None],
                        torch.zeros(batch, dtype=torch.long)))
     for ids_, pos_, idx in chunks:
+        if ids_.shape[1] == 1:
+            assert decode_slices(native, pos_) == slices, f"decode at positions {pos_.flatten().tolist()}"
         got, want = _run(model, native, ids_, pos_, idx), _run(model, cache, ids_, pos_, idx)
         assert (got - want).abs().max() <= 1e-5 * want.abs().max()
 
 
 # A build whose decode slices a KV head's slots from 8 on (SLICE_MIN 4; by default 128 slots), to test the
-# slices and their merge on the tests' short caches
+# slices and their merge on the tests' short caches. The default build's tests here decode whole items.
 SLICED = FLAGS + ("-DSLICE_MIN=4",)
 
 
-@pytest.mark.parametrize("case,threads,batch,flags,lasts", [
-    ("llama-gqa4-llama3rope", 2, 1, FLAGS, [49]), ("llama-mqa-linearrope", 3, 2, FLAGS, [49, 33]),
-    ("gemma", 2, 1, FLAGS, [49]), ("gemma2", 3, 2, FLAGS, [49, 33]), ("llama-mha", 2, 2, FLAGS, [49, 33]),
-    ("gemma", 2, 1, SLICED, [49]), ("gemma2", 3, 2, SLICED, [49, 0]), ("llama-mha", 3, 2, SLICED, [49, 33])])
-def test_long_ragged_decode_equals_torch(case, threads, batch, flags, lasts, hf_checkpoint):
+@pytest.mark.parametrize("case,threads,batch,flags,lasts,slices", [
+    ("llama-gqa4-llama3rope", 2, 1, FLAGS, [49], (1, 1)), ("llama-mqa-linearrope", 3, 2, FLAGS, [49, 33], (1, 1)),
+    ("gemma", 2, 1, FLAGS, [49], (1, 1)), ("gemma2", 3, 2, FLAGS, [49, 33], (1, 1, 1)),
+    ("llama-mha", 2, 2, FLAGS, [49, 33], (1, 1)), ("gemma", 2, 1, SLICED, [49], (2, 2)),
+    ("gemma2", 3, 2, SLICED, [49, 0], (2, 3, 2)), ("llama-mha", 3, 2, SLICED, [49, 33], (3, 3))])
+def test_long_ragged_decode_equals_torch(case, threads, batch, flags, lasts, slices, hf_checkpoint):
     """Decode past 32 cached positions (many 4-key blocks, a partial last one), on 2 and 3 threads, one row or
     two ragged ones: float32 logits and caches equal the PyTorch model's. GQA 4, MQA with 8 query heads (2
     blocks of 4), MQA with 4, gemma2 (windowed and global layers, soft-capped scores), MHA. Sliced: gemma's
-    one KV head in 2 slices on 2 threads; gemma2's 4 items in 3 slices each, windows of 8 in 2, and a row
-    one token long, whose first decode steps leave a slice empty; MHA's 16 items in 3."""
+    one KV head in 2 slices on 2 threads; gemma2's 4 items in 3 slices each, windows of 8 (layers 0 and 2) in 2,
+    and a row one token long, whose first decode steps leave a slice empty; MHA's 16 items in 3."""
     path, _ = hf_checkpoint(case)
     model = load_decoder(path, dtype="float32")
     native = NativeBackend(path, max_batch=batch, max_seq_len=MAX_SEQ, threads=threads, model=model, flags=flags)
     cache = KVCache.allocate(model.cfg, batch, MAX_SEQ, dtype=torch.float32)
-    _ragged_prefill_then_decode(model, native, cache, torch.Generator().manual_seed(7), 50, lasts, 5)
+    _ragged_prefill_then_decode(model, native, cache, torch.Generator().manual_seed(7), 50, lasts, 5, slices)
     for mine, ref in zip(native.caches[0::2] + native.caches[1::2], cache.keys + cache.values):
         torch.testing.assert_close(mine, ref, rtol=0, atol=1e-5 * float(ref.abs().max()))
 
@@ -438,10 +450,11 @@ def test_prequantized_checkpoints_run_as_they_are(case, tmp_path, monkeypatch):
         assert torch.nn.functional.cosine_similarity(got.flatten(1), want.flatten(1)).min() > 1 - 1e-3
 
 
-@pytest.mark.parametrize("case,threads,batch,flags", [
-    ("llama-gqa4-llama3rope", 2, 1, FLAGS), ("gemma2", 3, 2, FLAGS), ("qwen3-qknorm", 2, 2, FLAGS),
-    ("llama-mqa-linearrope", 2, 2, FLAGS), ("gemma2", 3, 2, SLICED)])
-def test_int8_cache_equals_the_reference_int8_cache(case, threads, batch, flags, hf_checkpoint):
+@pytest.mark.parametrize("case,threads,batch,flags,slices", [
+    ("llama-gqa4-llama3rope", 2, 1, FLAGS, (1, 1)), ("gemma2", 3, 2, FLAGS, (1, 1, 1)),
+    ("qwen3-qknorm", 2, 2, FLAGS, (1, 1)), ("llama-mqa-linearrope", 2, 2, FLAGS, (1, 1)),
+    ("gemma2", 3, 2, SLICED, (2, 3, 2))])
+def test_int8_cache_equals_the_reference_int8_cache(case, threads, batch, flags, slices, hf_checkpoint):
     """kv_dtype="int8": the engine writes the same int8 cache bytes as the reference op
     (kvedge.models.attention: round-half-even(x * (1 / scale)), clamped) and its float32 logits equal the
     PyTorch Decoder's over an int8 cache with the same calibrated scales, through prefill of ragged rows
@@ -457,7 +470,7 @@ def test_int8_cache_equals_the_reference_int8_cache(case, threads, batch, flags,
     native = NativeBackend(path, max_batch=batch, max_seq_len=MAX_SEQ, threads=threads, model=model,
                            kv_dtype="int8", kv_scales=scales, flags=flags)
     cache = KVCache.allocate(model.cfg, batch, MAX_SEQ, dtype=torch.int8, scales=scales)
-    _ragged_prefill_then_decode(model, native, cache, g, 40, [39, 21], 4)  # margin 1.0: some clamp at +-127
+    _ragged_prefill_then_decode(model, native, cache, g, 40, [39, 21], 4, slices)  # margin 1.0: some clamp at +-127
     for mine, ref in zip(native.caches[0::2] + native.caches[1::2], cache.keys + cache.values):
         assert mine.dtype == torch.int8 and torch.equal(mine, ref)
 

@@ -879,6 +879,23 @@ static void attend(const kv_model *m, const float *const *q, int nq, const int *
 
 static int gcd(int a, int b) { return b ? gcd(b, a % b) : a; }
 
+/* How many slices decode cuts each item of layer li in, for B rows at positions pos (one a row) on nt threads:
+ * the items are the (row, KV head, block of QB query heads) triples; enough slices that the units split evenly
+ * between the threads, none under SLICE_MIN slots of the longest row's span; 1 (none) under 2 SLICE_MIN slots */
+static inline int decode_slices(const kv_model *m, int li, int B, const int64_t *pos, int nt) {
+    int items = B * m->hkv * ((m->hq / m->hkv + QB - 1) / QB), longest = 0, parts;
+    for (int b = 0; b < B; b++) {
+        int n = (int)pos[b] - first_slot((int)pos[b], m->layers[li].window) + 1;
+        longest = n > longest ? n : longest;
+    }
+    if (longest < 2 * SLICE_MIN) return 1;
+    parts = nt / gcd(items, nt);
+    return parts < longest / SLICE_MIN ? parts : longest / SLICE_MIN;
+}
+int kv_decode_slices(const kv_model *m, int li, int B, const int64_t *pos, int nt) { /* for the tests */
+    return decode_slices(m, li, B, pos, nt);
+}
+
 /* slice k of `parts` near-equal slices of slots [lo, hi]: [*s0, *s1] (empty when *s1 < *s0) */
 static inline void slice(int lo, int hi, int k, int parts, int *s0, int *s1) {
     long n = hi - lo + 1;
@@ -958,15 +975,8 @@ void kv_forward(const kv_model *m, int B, int L, const int64_t *ids, const int64
             int per = L > 1 ? (L + QB - 1) / QB : (g + QB - 1) / QB, heads = L > 1 ? hq : hkv;
             /* decode: `parts` slices an item (unit u: item u / parts, slice u % parts), so that the units split
              * evenly between the threads, when rows are long enough */
-            int items = B * heads * per, nt = omp_get_num_threads(), parts = 1, longest = 0;
-            for (int b = 0; L == 1 && b < B; b++) {
-                int n = (int)pos[b] - first_slot((int)pos[b], ly->window) + 1;
-                longest = n > longest ? n : longest;
-            }
-            if (longest >= 2 * SLICE_MIN) {
-                parts = nt / gcd(items, nt);
-                parts = parts < longest / SLICE_MIN ? parts : longest / SLICE_MIN;
-            }
+            int items = B * heads * per, nt = omp_get_num_threads();
+            int parts = L == 1 ? decode_slices(m, li, B, pos, nt) : 1;
             kv_fetch more = {0}; /* decode: the cache rows this thread's units will read (unit u: thread u % nt) */
             size_t esize = ly->k_scale ? 1 : sizeof(float); /* a cache element's bytes */
             for (int u = tid; L == 1 && u < items * parts; u += nt) {
