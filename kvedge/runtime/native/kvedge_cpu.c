@@ -37,7 +37,7 @@
 #define KV_AVX2 0
 #endif
 
-/* Which kernels this build runs: 0 portable C, 1 AVX2 (without VNNI: widening or maddubs), 2 AVX-VNNI,
+/* Which kernels this build runs: 0 portable C, 1 AVX2 (without VNNI: maddubs), 2 AVX-VNNI,
  * 3 AVX512-VNNI (dot_u8s8 picks the same way) */
 int kv_simd(void) {
 #if KV_AVX2 && defined(__AVX512VNNI__) && defined(__AVX512VL__)
@@ -231,7 +231,18 @@ static void quantize_row16(const float *x, int k, int bits, int8_t *xq, float *s
 #define ROWS 4 /* weight rows a kernel call computes together (sharing activation loads and the final sums) */
 
 #if KV_AVX2
-/* acc + the sums of each 4 adjacent products u * s (u unsigned bytes below 2^bits, s signed bytes) */
+/* Without VNNI, 8-bit weights u are multiplied as the signed bytes u - 128: maddubs of |u - 128| and of s with
+ * u - 128's sign, whose pair sums stay within int16 (2 * 128 * 127: activations are within [-127, 127]). Widening
+ * both to 16 bits instead took 7% longer at 8 rows (docs/benchmarks.md). The sums are then those of u - 128, so the
+ * kernels take the zero point z - 128 (and an affine linear's min gains 128 scales). */
+#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
+#define SIGNED8 0
+#else
+#define SIGNED8 1
+#endif
+
+/* acc + the sums of each 4 adjacent products u * s (u unsigned bytes below 2^bits, s signed bytes; 8-bit u less
+ * 128 under SIGNED8) */
 static inline __m256i dot_u8s8(const int bits, __m256i acc, __m256i u, __m256i s) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
     return _mm256_dpbusd_epi32(acc, u, s);
@@ -240,11 +251,9 @@ static inline __m256i dot_u8s8(const int bits, __m256i acc, __m256i u, __m256i s
 #else
     if (bits == 4) /* pairs of 4-bit weights times int8 stay within int16 (2 * 15 * 128): maddubs cannot saturate */
         return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
-    /* 8-bit weights: widen to 16 bits (maddubs would saturate), multiply-add pairs to 32 bits */
-    __m256i zero = _mm256_setzero_si256();
-    __m256i ulo = _mm256_unpacklo_epi8(u, zero), uhi = _mm256_unpackhi_epi8(u, zero);
-    __m256i slo = _mm256_srai_epi16(_mm256_unpacklo_epi8(s, s), 8), shi = _mm256_srai_epi16(_mm256_unpackhi_epi8(s, s), 8);
-    return _mm256_add_epi32(acc, _mm256_add_epi32(_mm256_madd_epi16(ulo, slo), _mm256_madd_epi16(uhi, shi)));
+    __m256i w = _mm256_xor_si256(u, _mm256_set1_epi8((char)0x80)); /* 8-bit weights: u - 128 (SIGNED8) */
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(s, w)),
+                                                   _mm256_set1_epi16(1)));
 #endif
 }
 
@@ -346,7 +355,8 @@ static inline __attribute__((always_inline)) void qdot_rows_w(const int bits, co
         mr32[i] = aff == 2 ? l->mins32 + row * st : NULL;
         acc[i][0] = acc[i][1] = _mm256_setzero_ps();
     }
-    const __m256 zs = _mm256_set1_ps(l->zsym);
+    const float z8 = bits == 8 && SIGNED8 ? 128.f : 0.f; /* the sums' offset from u's (dot_u8s8) */
+    const __m256 zs = _mm256_set1_ps(l->zsym - z8), z8v = _mm256_set1_ps(z8);
     for (int sb = 0; sb < nsb; sb += 8) {
         __m256 sav[2], cv[2];
         for (int j = 0; j < rm; j++) sav[j] = _mm256_loadu_ps(sa[j] + sb), cv[j] = _mm256_loadu_ps(c[j] + sb);
@@ -361,12 +371,14 @@ static inline __attribute__((always_inline)) void qdot_rows_w(const int bits, co
             __m256 w = aff == 2 ? _mm256_loadu_ps(sw32[i] + sb) : load_half8(sw[i] + sb);
             if (aff) {
                 __m256 m = aff == 2 ? _mm256_loadu_ps(mr32[i] + sb) : load_half8(mr[i] + sb);
+                if (z8 != 0.f) m = _mm256_fmadd_ps(z8v, w, m);
                 for (int j = 0; j < rm; j++)
                     acc[i][j] = _mm256_fmadd_ps(m, cv[j], _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(r[j]),
                                                                                         sav[j]), w, acc[i][j]));
                 continue;
             }
-            __m256 z = zr[i] ? _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(zr[i] + sb))))
+            __m256 z = zr[i] ? _mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
+                                                 _mm_loadl_epi64((const __m128i *)(zr[i] + sb)))), z8v)
                              : zs;
             for (int j = 0; j < rm; j++) {
                 __m256 t = _mm256_fnmadd_ps(z, cv[j], _mm256_mul_ps(_mm256_cvtepi32_ps(r[j]), sav[j]));
