@@ -71,7 +71,7 @@ def next_tokens(logits: torch.Tensor, params: SamplingParams, generator: torch.G
     return torch.multinomial(probs, 1, generator=generator)[:, 0]
 
 
-class Sampler:
+class TokenSampler:
     """The sampling state of a batch of sequences: their parameters, the generator their draws use (None: torch's
     global one) and, with a repetition penalty, the tokens each row holds (prompt and output so far)."""
 

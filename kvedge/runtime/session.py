@@ -19,7 +19,7 @@ import torch
 
 from kvedge.errors import KvedgeError
 from kvedge.runtime.backend import Backend
-from kvedge.runtime.sampling import Sampler, SamplingParams
+from kvedge.runtime.sampling import SamplingParams, TokenSampler
 from kvedge.runtime.tokenizer import Output, Tokenizer, eos_ids
 
 Ids = Sequence[int] | Sequence[Sequence[int]] | torch.Tensor
@@ -182,7 +182,7 @@ class Session:
         rows = self._fit(self._encode_prompts(prompt, chat), max_new_tokens, truncate)
         eos = frozenset(self._eos_ids(eos_token_id))
         gen = torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None
-        sample = Sampler(sampling, rows, self.cfg.vocab_size, gen)
+        sample = TokenSampler(sampling, rows, self.cfg.vocab_size, gen)
         outs = [Output(self.tokenizer, stop, eos, max_new_tokens) for _ in rows]
 
         t0 = time.perf_counter()

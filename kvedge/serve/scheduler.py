@@ -33,7 +33,7 @@ import torch
 
 from kvedge.errors import KvedgeError
 from kvedge.runtime.backend import Backend
-from kvedge.runtime.sampling import Sampler, SamplingParams
+from kvedge.runtime.sampling import SamplingParams, TokenSampler
 from kvedge.runtime.session import check_ids
 from kvedge.runtime.tokenizer import Output, Tokenizer
 
@@ -74,7 +74,7 @@ class Job:
     out: Output | None = None  # its tokens and text so far, and why it ended
     finish: str | None = None  # "stop" (an EOS or a stop string), "length", "error" or "cancelled"
     order: int = 0
-    sample: Sampler | None = None
+    sample: TokenSampler | None = None
     arrived: float = field(default_factory=time.perf_counter)
     last_token_at: float = 0.0
 
@@ -124,7 +124,7 @@ class Scheduler:
         self.check(job)
         seed = job.sampling.seed
         generator = torch.Generator().manual_seed(seed if seed is not None else random.randrange(2 ** 63))
-        job.sample = Sampler(job.sampling, [job.prompt], self.backend.cfg.vocab_size, generator)
+        job.sample = TokenSampler(job.sampling, [job.prompt], self.backend.cfg.vocab_size, generator)
         job.out = Output(self.tokenizer, job.stop, job.eos, job.max_tokens)
         with self._cond:
             if self._closed:

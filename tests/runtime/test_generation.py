@@ -93,3 +93,26 @@ def test_load_picks_backend_by_folder(exported, hf_checkpoint):
     out, _ = exported("llama-mha", "decomposed")
     assert load(out).backend.name == "onnxruntime"
     assert load(hf_checkpoint("llama-mha")[0], max_seq_len=32).backend.name == "torch"
+
+
+def test_repetition_penalty_counts_what_transformers_generate_counts(hf_checkpoint):
+    """The tokens a repetition penalty weighs are the prompt's and every one generated so far (TokenSampler's
+    bookkeeping, shared by Session and kvedge serve): greedy tokens with a penalty, in a ragged batch of two, are
+    those of transformers' own generate on the same checkpoint, row by row; and the penalty changes them."""
+    import copy
+
+    from kvedge.runtime import SamplingParams
+
+    path, hf = hf_checkpoint("llama-gqa4-llama3rope")
+    hf = copy.deepcopy(hf)
+    hf.generation_config.eos_token_id, hf.generation_config.pad_token_id = None, 0  # no early stop, as below
+    session = Session(TorchBackend(path, max_batch=2, max_seq_len=MAX_SEQ, device="cpu"))
+    ps = prompts(session.cfg.vocab_size, [9, 5], seed=4)
+    got = session.generate(ps, max_new_tokens=24, sampling=SamplingParams(repetition_penalty=1.8),
+                           eos_token_id=None).tokens
+    plain = session.generate(ps, max_new_tokens=24, eos_token_id=None).tokens
+    with torch.no_grad():
+        want = [hf.generate(torch.tensor([p]), max_new_tokens=24, do_sample=False, repetition_penalty=1.8)[0, len(p):]
+                .tolist() for p in ps]
+    assert got == want
+    assert got != plain, "the penalty changed nothing: the test proves nothing"
