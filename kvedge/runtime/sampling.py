@@ -90,7 +90,8 @@ class TokenSampler:
 
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:
         """logits [B, V] -> the rows' next tokens [B] (int64), which join what each row holds."""
-        tokens = next_tokens(logits.float(), self.params, self.generator, self.seen)
+        # on the CPU, where the generator and the mask are (a CUDA backend's logits too: a [B, V] copy a step)
+        tokens = next_tokens(logits.float().cpu(), self.params, self.generator, self.seen)
         if self.seen is not None:
             self.seen[torch.arange(len(tokens)), tokens] = True
         return tokens

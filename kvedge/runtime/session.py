@@ -31,8 +31,10 @@ def check_ids(row: list, vocab_size: int, what: str) -> None:
     if not row:
         raise KvedgeError(f"{what} is empty")
     for i, t in enumerate(row):
-        if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size:
-            raise KvedgeError(f"token id {t!r} at position {i} of {what} is outside the vocabulary [0, {vocab_size})")
+        if not isinstance(t, int) or isinstance(t, bool):
+            raise KvedgeError(f"{t!r} at position {i} of {what} is not a token id (an int)")
+        if not 0 <= t < vocab_size:
+            raise KvedgeError(f"token id {t} at position {i} of {what} is outside the vocabulary [0, {vocab_size})")
 
 
 @dataclass

@@ -45,7 +45,9 @@ class Tokenizer:
         return v.get("content") if isinstance(v, dict) else v
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch releases the GIL (encode holds it throughout), so kvedge serve's event loop and scheduler
+        # run on while a worker thread encodes a long prompt
+        return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
@@ -157,7 +159,7 @@ class Output:
             self.text.add(token)
         last = self.finish is not None or len(self.tokens) >= self.max_tokens
         new, stopped = self.text.take(final=last) if self.text is not None else ("", False)
-        if stopped:
+        if stopped and self.finish is None:  # (after an EOS, the text is cut but the reason stays "eos")
             self.finish = "stop"
         elif last and self.finish is None:
             self.finish = "length"

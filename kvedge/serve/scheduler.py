@@ -238,7 +238,7 @@ class Scheduler:
                 pos[r] = job.filled
         logits = self.backend.forward(torch.tensor(ids)[:, None], torch.tensor(pos)[:, None],
                                       torch.zeros(hi - lo, dtype=torch.long), first_row=lo)[:, 0]
-        best = logits.argmax(-1).tolist()  # every plain greedy row's token in one call
+        best = logits.argmax(-1).tolist() if any(j.sample.argmax for j in jobs) else None  # plain greedy rows' tokens
         for job in jobs:
             r = job.row - lo
             self._add(job, best[r] if job.sample.argmax else int(job.sample(logits[r:r + 1])[0]))

@@ -356,7 +356,9 @@ def test_odd_thread_counts_and_wide_batches_split_the_work_correctly(hf_checkpoi
 
 def decode_slices(native, pos: torch.Tensor) -> tuple[int, ...]:
     """Per layer, the slices the engine's decode cuts each attention item in for rows at positions pos [B, 1] on
-    its threads: kv_decode_slices, the count kv_forward itself takes (1: the item whole, no merge)."""
+    its threads: kv_decode_slices, the count kv_forward itself takes (1: the item whole, no merge). It is asked
+    with the threads asked for; kv_forward passes the team OpenMP gave it, the same unless OMP_DYNAMIC is set
+    (off by default), so this pins the decision, not what a run did."""
     pos = pos.to(torch.int64).contiguous()
     return tuple(native.dll.kv_decode_slices(ctypes.byref(native.m), li, pos.shape[0], pos.data_ptr(), native.threads)
                  for li in range(native.model.cfg.num_layers))

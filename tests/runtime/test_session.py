@@ -59,7 +59,7 @@ def test_bad_inputs_raise_and_the_session_stays_usable(demo):
         (lambda: session.generate([[0] * 250], max_new_tokens=10), r"250 prompt tokens \+ 10 to generate exceed"),
         (lambda: session.generate([[0, 300]]), r"token id 300 at position 1 of row 0 of the input is outside the vocabulary"),
         (lambda: session.generate([[-1]]), r"token id -1"),
-        (lambda: session.generate([[0, True]]), r"token id True at position 1 of row 0"),  # a bool is no id
+        (lambda: session.generate([[0, True]]), r"True at position 1 of row 0 of the input is not a token id"),
         (lambda: session.generate([[1], [2], [3]]), r"batch 3 exceeds this session's max_batch 2"),
         (lambda: session.generate([[]]), r"row 0 of the input is empty"),
         (lambda: session.decode([1, 2]), r"decode got 2 tokens for a batch of 1"),
