@@ -203,10 +203,9 @@ def main() -> None:
         sys.path.insert(0, str(Path(__file__).parent))
         import gguf_vs_llamacpp
 
-        sys.argv = [gguf_vs_llamacpp.__file__, "--gguf", a.gguf, "--llamacpp-python", a.llamacpp_python,
-                    "--repeat", str(a.repeat), "--threads", str(a.threads), "--prompt", str(a.prompt),
-                    "--gen", str(a.gen)]
-        raise SystemExit(gguf_vs_llamacpp.main())
+        raise SystemExit(gguf_vs_llamacpp.main(["--gguf", a.gguf, "--llamacpp-python", a.llamacpp_python,
+                                                "--repeat", str(a.repeat), "--threads", str(a.threads),
+                                                "--prompt", str(a.prompt), "--gen", str(a.gen)]))
     torch.set_num_threads(a.threads)
 
     from kvedge.export import ExportOptions, export

@@ -120,7 +120,7 @@ def run(cmd: list[str]) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--gguf", required=True)
     p.add_argument("--llamacpp-python", required=True)
@@ -132,7 +132,9 @@ def main() -> int:
     p.add_argument("--requantize", metavar="TYPE", help="measure the file re-quantized by llama.cpp to TYPE (Q4_0, ...)")
     p.add_argument("--activations", default="int8,int16", help="native engine rows (default int8,int16)")
     p.add_argument("--perplexity-tokens", type=int, default=2048, help="held-out tokens for perplexity (0: none)")
-    a = p.parse_args()
+    a = p.parse_args(argv)
+    if not Path(a.gguf).is_file():
+        p.error(f"--gguf {a.gguf}: no such file (`make model` fetches the demo's SmolLM2)")
     tmp = Path(tempfile.mkdtemp())
     if a.requantize:
         a.gguf = requantize(a.llamacpp_python, a.gguf, a.requantize, tmp / f"{Path(a.gguf).stem}.{a.requantize}.gguf")
