@@ -133,7 +133,10 @@ class Session:
         """Append one token per row; returns the next logits [B, V]."""
         if self.batch == 0:
             raise KvedgeError("decode before prefill: call prefill (or generate) first")
-        t = torch.as_tensor(next_ids, dtype=torch.long).reshape(-1)
+        t = torch.as_tensor(next_ids)
+        if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:  # 2.7 or True would pass as 2 or 1
+            raise KvedgeError(f"decode takes integer token ids, got {t.dtype}")
+        t = t.to(torch.long).reshape(-1)
         if t.numel() != self.batch:
             raise KvedgeError(f"decode got {t.numel()} tokens for a batch of {self.batch}")
         v = self.cfg.vocab_size

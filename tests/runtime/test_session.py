@@ -81,6 +81,8 @@ def test_after_a_refused_call_decoding_goes_on_as_if_it_never_happened(demo):
         (lambda: session.decode([1]), r"decode got 1 tokens for a batch of 2"),
         (lambda: session.decode([1, 999]), r"outside the vocabulary"),
         (lambda: session.decode([-1, 1]), r"outside the vocabulary"),
+        (lambda: session.decode([1.0, 2.0]), r"decode takes integer token ids, got torch.float32"),
+        (lambda: session.decode(torch.tensor([True, False])), r"decode takes integer token ids, got torch.bool"),
         (lambda: session.prefill([[0, 300]]), r"token id 300"),
         (lambda: session.prefill([[0] * 257]), r"257 prompt tokens \+ 0 to generate exceed"),
         (lambda: session.prefill([[1], [2], [3]]), r"batch 3 exceeds"),
