@@ -142,9 +142,14 @@ class Session:
         v = self.cfg.vocab_size
         if bool((t < 0).any() | (t >= v).any()):
             raise KvedgeError(f"decode token ids {t.tolist()} are outside the vocabulary [0, {v})")
-        lengths = self.lengths[:self.batch]
-        if int(lengths.max()) >= self.max_seq_len:
+        if int(self.lengths[:self.batch].max()) >= self.max_seq_len:
             raise KvedgeError(f"the cache is full (max_seq_len {self.max_seq_len}); reset() or start a new prefill")
+        return self._step(t)
+
+    def _step(self, t: torch.Tensor) -> torch.Tensor:
+        """decode without its checks: t [B] int64 ids in the vocabulary, and room in the cache (generate's own
+        tokens, sampled from the logits, for a prompt _fit left room for)."""
+        lengths = self.lengths[:self.batch]
         logits = self.backend.forward(t[:, None], lengths[:, None], self._zero_index[:self.batch])[:, 0]
         lengths += 1
         return logits
@@ -185,7 +190,7 @@ class Session:
         if max_new_tokens < 1:
             raise KvedgeError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         rows = self._fit(self._encode_prompts(prompt, chat), max_new_tokens, truncate)
-        eos = frozenset(self._eos_ids(eos_token_id))
+        eos = self._eos_ids(eos_token_id)
         gen = torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None
         sample = TokenSampler(sampling, rows, self.cfg.vocab_size, gen)
         outs = [Output(self.tokenizer, stop, eos, max_new_tokens) for _ in rows]
@@ -195,7 +200,8 @@ class Session:
         t1 = time.perf_counter()
         steps = 0
         while True:
-            ids = sample(logits).tolist()
+            tokens = sample(logits)
+            ids = tokens.tolist()
             for r, out in enumerate(outs):
                 if out.finish is None:
                     new = out.add(ids[r])
@@ -203,15 +209,16 @@ class Session:
                         yield r, ids[r], new
             if all(out.finish is not None for out in outs):
                 break
-            logits = self.decode(ids)
+            logits = self._step(tokens)  # checked already: sampled ids, and the room _fit kept
             steps += 1
         t2 = time.perf_counter()
         result.append(GenerationResult([o.tokens for o in outs], [o.text.text if o.text else "" for o in outs],
                                        [o.finish for o in outs], [len(r) for r in rows], t1 - t0, t2 - t1, steps))
 
-    def _eos_ids(self, eos_token_id) -> set[int]:
+    def _eos_ids(self, eos_token_id) -> frozenset[int]:
         if eos_token_id is None:
-            return set()
+            return frozenset()
         if eos_token_id == -1:
-            return set(eos_ids(self.cfg, self.tokenizer))
-        return {int(i) for i in (eos_token_id if isinstance(eos_token_id, (list, tuple, set)) else [eos_token_id])}
+            return eos_ids(self.cfg, self.tokenizer)
+        return frozenset(int(i) for i in (eos_token_id if isinstance(eos_token_id, (list, tuple, set))
+                                          else [eos_token_id]))
