@@ -136,7 +136,9 @@ def compile_engine(flags: tuple[str, ...] = FLAGS, cache_dir: str | Path | None 
         tmp.replace(lib)  # atomic: concurrent first uses each compile, one file wins
     dll = ctypes.CDLL(str(lib))
     check_layout(dll)
-    dll.kv_stride.argtypes = [ctypes.c_int]
+    dll.kv_figures.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int]
+    dll.kv_figures.restype = ctypes.c_size_t
+    dll.kv_pack_tiles.argtypes = [ctypes.POINTER(Linear), ctypes.c_void_p, ctypes.c_void_p]
     dll.kv_pack.argtypes = [ctypes.POINTER(Linear), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
     dll.kv_pack_mins.argtypes = [ctypes.POINTER(Linear), ctypes.c_void_p, ctypes.c_int]
     dll.kv_pack_affine32.argtypes = [ctypes.POINTER(Linear), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
@@ -183,10 +185,10 @@ def pack_linear(dll: ctypes.CDLL, mod: nn.Module, keep: _Keep, activations: str 
     mins = getattr(mod, "mins", None)
     zeros = None if mins is not None else unpack_zeros(mod.zeros, bits, n, groups).contiguous()
     mid = 2 ** (bits - 1)
-    stride = dll.kv_stride(k)  # per-sub-block figures per row, padded to whole chunks of 8
+    figs = dll.kv_figures(n, k, bits)  # per-sub-block figures, in the engine's order and padding
     if mins is not None and not (_is_half(mod.scales) and _is_half(mins)):
-        lin = Linear(n, k, bits, 0, float(mid), keep(mod.qweight.contiguous()), 0, 0, 0, 0, bias,
-                     ACTIVATIONS[activations], keep(torch.empty(n * stride)), keep(torch.empty(n * stride)))
+        lin = Linear(n, k, bits, 0, float(mid), _weights(dll, mod, keep), 0, 0, 0, 0, bias,
+                     ACTIVATIONS[activations], keep(torch.empty(figs)), keep(torch.empty(figs)))
         if dll.kv_pack_affine32(ctypes.byref(lin), keep(mod.scales.float().contiguous()),
                                 keep(mins.float().contiguous()), group):
             raise KvedgeError(f"kv_pack_affine32 refused a {n}x{k} linear in groups of {group}")
@@ -195,16 +197,30 @@ def pack_linear(dll: ctypes.CDLL, mod: nn.Module, keep: _Keep, activations: str 
     # the engine keeps scales (and an affine block's mins) in 16 bits: kvedge's quantizer, AWQ / GPTQ and GGUF's
     # Q4_0 / Q8_0 / Q4_1 make them float16 values
     half = _half_exact(mod.scales.float().contiguous(), "scales", n, k)
-    s = torch.empty(n * stride, dtype=torch.int16)
+    s = torch.empty(figs, dtype=torch.int16)
     m16 = None if mins is None else mins.float().half().contiguous()  # float16 values: checked above
-    z = None if sym or mins is not None else torch.empty(n * stride, dtype=torch.uint8)
-    lin = Linear(n, k, bits, int(sym), float(mid), keep(mod.qweight.contiguous()), keep(s), keep(z),
-                 keep(None if m16 is None else torch.empty(n * stride, dtype=torch.int16)), 0, bias,
+    z = None if sym or mins is not None else torch.empty(figs, dtype=torch.uint8)
+    lin = Linear(n, k, bits, int(sym), float(mid), _weights(dll, mod, keep), keep(s), keep(z),
+                 keep(None if m16 is None else torch.empty(figs, dtype=torch.int16)), 0, bias,
                  ACTIVATIONS[activations])
     if dll.kv_pack(ctypes.byref(lin), keep(half.view(torch.int16)), keep(zeros), group) or (
             m16 is not None and dll.kv_pack_mins(ctypes.byref(lin), keep(m16.view(torch.int16)), group)):
         raise KvedgeError(f"kv_pack refused a {n}x{k} linear in groups of {group}")
     return lin
+
+
+def _weights(dll: ctypes.CDLL, mod: QuantLinear, keep: _Keep) -> int:
+    """The engine's copy of a QuantLinear's integers: 8-bit rows are its MatMulNBits bytes, read in place; 4-bit
+    ones are rewritten as the engine's tiles of 8 rows (kv_pack_tiles), the same integers in another order."""
+    q = mod.qweight.contiguous()
+    if mod.bits != 4:
+        return keep(q)
+    n, k = mod.out_features, mod.in_features
+    tiles = torch.empty((n + 7) // 8 * 8 * k // 2, dtype=torch.uint8)
+    lin = Linear(n=n, k=k, bits=4)
+    if dll.kv_pack_tiles(ctypes.byref(lin), tiles.data_ptr(), q.data_ptr()):
+        raise KvedgeError(f"kv_pack_tiles refused a {n}x{k} 4-bit linear")
+    return keep(tiles)
 
 
 def _is_half(v: torch.Tensor) -> bool:

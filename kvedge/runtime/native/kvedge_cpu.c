@@ -4,9 +4,10 @@
  * Built by kvedge/runtime/native_backend.py at first use with the system C compiler (-O3 -march=native
  * -fopenmp) and loaded with ctypes; that module is the Python side.
  *
- * Quantized linears keep ONNX Runtime's MatMulNBits bytes as they are (kvedge.models.quant):
- *   4 bits: row n holds K/2 bytes, element 2i in the low nibble of byte i, 2i+1 in the high one;
- *   8 bits: row n holds K bytes.
+ * Quantized linears hold ONNX Runtime's MatMulNBits integers (kvedge.models.quant):
+ *   8 bits: row n holds K bytes, read in place;
+ *   4 bits: row n holds K/2 bytes, element 2i in the low nibble of byte i, 2i+1 in the high one; the engine
+ *   keeps them rewritten as tiles of 8 rows (kv_pack_tiles: the same integers, interleaved).
  * The kernels work on sub-blocks of 32 input channels (groups of 32, 64 or 128 are whole sub-blocks):
  *   y[n] = sum_sb sw[n,sb] * (sa[sb] * dot(q[n,sb], xq[sb]) - z[n,sb] * sa[sb] * sum(xq[sb]))
  * where xq are the activations quantized to int8 per sub-block (scale sa = max|x| / 127, round half
@@ -17,11 +18,14 @@
  * weights: y[n] = sum_sb sw * sa * dot(q, xq) + m * sa * sum(xq), with the file's float16 mins (l->mins), or,
  * for K-quants (Q4_K, Q5_K: scale d * sc and min dmin * m, not float16 values), float32 scales and mins
  * (l->s32, l->mins32).
- * For speed, every 8 sub-blocks are reduced together: their scales are stored in the order the reduction
- * produces them (kv_slot), and the activations' per-sub-block figures are written in that order too, so
- * no shuffle happens per weight. A call computes 4 weight rows against 1 or 2 activation rows (each
- * weight byte loaded once for both, one final reduction for the four rows), and weight rows are
- * prefetched ahead: decode reads every weight once per token, so it is a stream.
+ * For speed, a 4-bit kernel call computes a tile of 8 rows against 1 to 4 activation rows: each weight vector
+ * is unpacked once for all of them and meets 4 activations broadcast to every lane, so the lanes' sums are the
+ * 8 rows' own (no horizontal add); against the row-by-row kernel it was 1.44x faster for 8 activation rows,
+ * 1.34x for a 128-token prefill (docs/benchmarks.md). An 8-bit call computes 4 weight rows against 1 or 2
+ * activation rows, every 8 sub-blocks reduced together: their scales are stored in the order the reduction
+ * produces them (kv_slot), and the activations' per-sub-block figures are written in that order too, so no
+ * shuffle happens per weight. Weight rows are prefetched ahead: decode reads every weight once per token, so
+ * it is a stream.
  */
 #include <math.h>
 #include <stddef.h>
@@ -66,24 +70,22 @@ int kv_simd(void) {
 typedef struct {
     int32_t n, k, bits, sym;  /* sym: every zero point is zsym (kvedge --symmetric) */
     float zsym;
-    const uint8_t *q;         /* MatMulNBits bytes [n][k * bits / 8] */
-    uint16_t *s;              /* [n][kv_stride(k)] float16 scales per sub-block, kernel order (kv_pack) */
-    uint8_t *z;               /* [n][kv_stride(k)] zero points per sub-block, kernel order; NULL when sym or affine */
-    uint16_t *mins;           /* [n][kv_stride(k)] float16 mins per sub-block, kernel order (kv_pack_mins);
+    const uint8_t *q;         /* 8 bits: MatMulNBits bytes [n][k]; 4 bits: tiles of TILE rows (kv_pack_tiles) */
+    uint16_t *s;              /* [kv_figures] float16 scales per sub-block, kernel order (fig_at; kv_pack) */
+    uint8_t *z;               /* [kv_figures] zero points per sub-block, kernel order; NULL when sym or affine */
+    uint16_t *mins;           /* [kv_figures] float16 mins per sub-block, kernel order (kv_pack_mins);
                                * NULL unless affine (then sym is 0 and z NULL) */
     const float *w;           /* fp32 weight [n][k] instead of q/s/z (an unquantized linear) */
     const float *bias;        /* [n] or NULL */
     int32_t planes;           /* activations: 1 (or 0), int8 per sub-block; 2, int16 as two int8 planes
                                * (quantize_row16), which doubles the kernels' multiply-adds, not the weight reads */
-    float *s32, *mins32;      /* [n][kv_stride(k)] an affine linear's float32 scales and mins (kv_pack_affine32)
+    float *s32, *mins32;      /* [kv_figures] an affine linear's float32 scales and mins (kv_pack_affine32)
                                * instead of s and mins; NULL otherwise */
 } kv_linear;
 
 /* Per-sub-block figures (scales, zero points, activation scales) are stored per row with a stride of
  * whole chunks of 8 sub-blocks, zero-padded, so every chunk (the last partial one too) is reduced alike. */
 static inline int sub_stride(int k) { return (k / SB + 7) & ~7; }
-int kv_stride(int k) { return sub_stride(k); } /* for the Python side: a call inside the library would go
-                                                 * through the PLT on every use (-fPIC) */
 
 /* Where sub-block sb sits among its row's figures: permuted within each chunk as its reduction leaves the
  * sums (0,2,4,6,1,3,5,7). */
@@ -92,66 +94,116 @@ static inline int kv_slot(int sb) {
     return (sb & ~7) + inv[sb & 7];
 }
 
-/* Fill l->s and l->z (allocated by the caller, n * kv_stride(k) each) from per-group float16
+/* 4-bit linears are stored in tiles of TILE rows (kv_pack_tiles), which one kernel call computes together:
+ * tile t, sub-block sb is 128 bytes, 4 vectors of TILE lanes of 4 bytes; lane r of vector v holds row
+ * TILE t + r's weights at channels 32 sb + 8 v + b (low nibble of byte b) and 32 sb + 8 v + 4 + b (high
+ * nibble), so each vector meets 4 consecutive activations broadcast to every lane, and the lanes' sums are
+ * the TILE rows' sums without a horizontal add. Their figures (scales, zero points, mins) are [tile][sb][TILE]
+ * and the activations they meet stay in channel order. The last tile's missing rows are zero. */
+#define TILE 8
+
+static inline int tiled(const kv_linear *l) { return l->bits == 4 && !l->w; }
+
+/* where row n's figure of sub-block sb is */
+static inline size_t fig_at(const kv_linear *l, int n, int sb) {
+    if (tiled(l)) return ((size_t)(n / TILE) * (l->k / SB) + sb) * TILE + n % TILE;
+    return (size_t)n * sub_stride(l->k) + kv_slot(sb);
+}
+
+/* figures a linear of n rows and k inputs stores per kind (scales, zero points, mins): for the Python side */
+size_t kv_figures(int n, int k, int bits) {
+    return bits == 4 ? (size_t)((n + TILE - 1) / TILE * TILE) * (k / SB) : (size_t)n * sub_stride(k);
+}
+
+/* where an activation row's figures (scale, sum) of sub-block sb are, for a linear of `bits` */
+static inline int act_slot(int sb, int bits) { return bits == 4 ? sb : kv_slot(sb); }
+
+/* Write a 4-bit linear's tiles (ceil(n / TILE) * TILE * k / 2 bytes) into dst from its MatMulNBits bytes src,
+ * and point l->q at them. */
+int kv_pack_tiles(kv_linear *l, uint8_t *dst, const uint8_t *src) {
+    if (l->bits != 4 || l->k % SB) return -1;
+    int nsb = l->k / SB, np = (l->n + TILE - 1) / TILE * TILE;
+    size_t rb = (size_t)l->k / 2;
+    for (int n = 0; n < np; n++)
+        for (int sb = 0; sb < nsb; sb++)
+            for (int v = 0; v < 4; v++)
+                for (int b = 0; b < 4; b++) {
+                    int e = sb * SB + 8 * v + b, f = e + 4; /* channels: MatMulNBits holds 2i low, 2i + 1 high */
+                    const uint8_t *row = src + (size_t)n * rb;
+                    int lo = n < l->n ? (row[e / 2] >> 4 * (e & 1)) & 15 : 0;
+                    int hi = n < l->n ? (row[f / 2] >> 4 * (f & 1)) & 15 : 0;
+                    dst[((((size_t)(n / TILE) * nsb + sb) * 4 + v) * TILE + n % TILE) * 4 + b] = (uint8_t)(lo | hi << 4);
+                }
+    l->q = dst;
+    return 0;
+}
+
+/* Fill l->s and l->z (allocated by the caller, kv_figures(n, k, bits) each) from per-group float16
  * scales [n][k / group] and, unless symmetric or affine (l->mins: kv_pack_mins fills it), unpacked zero
  * points [n][k / group]. */
 int kv_pack(kv_linear *l, const uint16_t *scales, const uint8_t *zeros, int group) {
     if (l->k % SB || group % SB || l->k % group) return -1;
-    int nsb = l->k / SB, ng = l->k / group, per = group / SB, st = sub_stride(l->k), uz = !l->sym && !l->mins;
+    int nsb = l->k / SB, ng = l->k / group, per = group / SB, uz = !l->sym && !l->mins;
+    size_t figs = kv_figures(l->n, l->k, l->bits);
     if (uz && (!l->z || !zeros)) return -1;
-    memset(l->s, 0, sizeof(uint16_t) * (size_t)l->n * st);
-    if (uz) memset(l->z, 0, (size_t)l->n * st);
+    memset(l->s, 0, sizeof(uint16_t) * figs);
+    if (uz) memset(l->z, 0, figs);
     for (int n = 0; n < l->n; n++)
         for (int sb = 0; sb < nsb; sb++) {
-            size_t at = (size_t)n * st + kv_slot(sb);
+            size_t at = fig_at(l, n, sb);
             l->s[at] = scales[(size_t)n * ng + sb / per];
             if (uz) l->z[at] = zeros[(size_t)n * ng + sb / per];
         }
     return 0;
 }
 
-/* Fill l->mins (allocated by the caller, n * kv_stride(k) halves) from an affine block's per-group float16
+/* Fill l->mins (allocated by the caller, kv_figures(n, k, bits) halves) from an affine block's per-group float16
  * mins [n][k / group]. */
 int kv_pack_mins(kv_linear *l, const uint16_t *mins, int group) {
     if (!l->mins || !mins || l->sym || l->k % SB || group % SB || l->k % group) return -1;
-    int nsb = l->k / SB, ng = l->k / group, per = group / SB, st = sub_stride(l->k);
-    memset(l->mins, 0, sizeof(uint16_t) * (size_t)l->n * st);
+    int nsb = l->k / SB, ng = l->k / group, per = group / SB;
+    memset(l->mins, 0, sizeof(uint16_t) * kv_figures(l->n, l->k, l->bits));
     for (int n = 0; n < l->n; n++)
-        for (int sb = 0; sb < nsb; sb++) l->mins[(size_t)n * st + kv_slot(sb)] = mins[(size_t)n * ng + sb / per];
+        for (int sb = 0; sb < nsb; sb++) l->mins[fig_at(l, n, sb)] = mins[(size_t)n * ng + sb / per];
     return 0;
 }
 
-/* Where a sub-block's 32 quantized activations qv go in a row xq [k] in kernel byte order: each pair of
- * sub-blocks as [sb0 A, sb1 A, sb0 B, sb1 B] and a lone last sub-block as [A, B], where A and B are the 16
- * channels the weight vectors pair them with (chunk_sums): 4 bits, the even and the odd channels (low and
- * high nibbles); 8 bits, the first and the last 16, swapped for the second of a pair. */
+/* Where a sub-block's 32 quantized activations qv go in a row xq [k] in kernel byte order: for 4-bit weights
+ * (tiles), in channel order; for 8-bit ones, each pair of sub-blocks as [sb0 A, sb1 A, sb0 B, sb1 B] and a lone
+ * last sub-block as [A, B], where A and B are the 16 channels the weight vectors pair them with (chunk_sums):
+ * the first and the last 16, swapped for the second of a pair. */
 static inline void place_sub_block(const int8_t *qv, int sb, int nsb, int bits, int8_t *xq) {
+    if (bits == 4) {
+        memcpy(xq + sb * SB, qv, SB);
+        return;
+    }
     int pair = sb & ~1, lone = (pair + 1 == nsb);
     int8_t *base = xq + pair * SB;
     int half = lone ? 16 : 32, off = lone ? 0 : (sb & 1) * 16, swap = off ? 16 : 0;
     for (int i = 0; i < 16; i++) {
-        base[off + i] = bits == 4 ? qv[2 * i] : qv[swap + i];
-        base[half + off + i] = bits == 4 ? qv[2 * i + 1] : qv[(16 ^ swap) + i];
+        base[off + i] = qv[swap + i];
+        base[half + off + i] = qv[(16 ^ swap) + i];
     }
 }
 
-/* Fill l->s32 and l->mins32 (allocated by the caller, n * kv_stride(k) floats each) from an affine block's
+/* Fill l->s32 and l->mins32 (allocated by the caller, kv_figures(n, k, bits) floats each) from an affine block's
  * per-group float32 scales and mins [n][k / group]: a K-quant's d * sc and -dmin * m, kept as they are. */
 int kv_pack_affine32(kv_linear *l, const float *scales, const float *mins, int group) {
     if (!l->s32 || !l->mins32 || l->s || l->mins || l->sym || l->k % SB || group % SB || l->k % group) return -1;
-    int nsb = l->k / SB, ng = l->k / group, per = group / SB, st = sub_stride(l->k);
-    memset(l->s32, 0, sizeof(float) * (size_t)l->n * st);
-    memset(l->mins32, 0, sizeof(float) * (size_t)l->n * st);
+    int nsb = l->k / SB, ng = l->k / group, per = group / SB;
+    size_t figs = kv_figures(l->n, l->k, l->bits);
+    memset(l->s32, 0, sizeof(float) * figs);
+    memset(l->mins32, 0, sizeof(float) * figs);
     for (int n = 0; n < l->n; n++)
         for (int sb = 0; sb < nsb; sb++) {
-            size_t at = (size_t)n * st + kv_slot(sb), from = (size_t)n * ng + sb / per;
+            size_t at = fig_at(l, n, sb), from = (size_t)n * ng + sb / per;
             l->s32[at] = scales[from], l->mins32[at] = mins[from];
         }
     return 0;
 }
 
 /* One row of activations quantized for the kernels: xq [k] in kernel byte order (place_sub_block), and sa and
- * c = sa * sum(xq) [kv_stride(k)] per sub-block at kv_slot, zero-padded. */
+ * c = sa * sum(xq) [sub_stride(k)] per sub-block at act_slot, zero-padded. */
 static void quantize_row(const float *x, int k, int bits, int8_t *xq, float *sa, float *c) {
     int nsb = k / SB;
     memset(sa, 0, sizeof(float) * sub_stride(k));
@@ -192,7 +244,7 @@ static void quantize_row(const float *x, int k, int bits, int8_t *xq, float *sa,
             sum += qv[i];
         }
 #endif
-        int slot = kv_slot(sb);
+        int slot = act_slot(sb, bits);
         sa[slot] = d;
         c[slot] = d * (float)sum;
         place_sub_block(qv, sb, nsb, bits, xq);
@@ -220,7 +272,7 @@ static void quantize_row16(const float *x, int k, int bits, int8_t *xq, float *s
             hi[i] = (int8_t)h, lo[i] = (int8_t)(xi - 128 * h);
             sum_hi += hi[i], sum_lo += lo[i];
         }
-        int slot = kv_slot(sb);
+        int slot = act_slot(sb, bits);
         sa[slot] = 128.f * d, c[slot] = 128.f * d * (float)sum_hi;
         sa_lo[slot] = d, c_lo[slot] = d * (float)sum_lo;
         place_sub_block(hi, sb, nsb, bits, xq);
@@ -228,7 +280,8 @@ static void quantize_row16(const float *x, int k, int bits, int8_t *xq, float *s
     }
 }
 
-#define ROWS 4 /* weight rows a kernel call computes together (sharing activation loads and the final sums) */
+#define ROWS 4 /* 8-bit weight rows a kernel call computes together (sharing activation loads and the final sums) */
+#define TILE_RM 4 /* activation rows a 4-bit tile kernel call computes: each unpacked weight vector serves them all */
 
 #if KV_AVX2
 /* Without VNNI, 8-bit weights u are multiplied as the signed bytes u - 128: maddubs of |u - 128| and of s with
@@ -241,31 +294,17 @@ static void quantize_row16(const float *x, int k, int bits, int8_t *xq, float *s
 #define SIGNED8 1
 #endif
 
-/* acc + the sums of each 4 adjacent products u * s (u unsigned bytes below 2^bits, s signed bytes; 8-bit u less
- * 128 under SIGNED8) */
-static inline __m256i dot_u8s8(const int bits, __m256i acc, __m256i u, __m256i s) {
+/* acc + the sums of each 4 adjacent products u * s (u unsigned bytes, s signed bytes; u less 128 under SIGNED8) */
+static inline __m256i dot_u8s8(__m256i acc, __m256i u, __m256i s) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
     return _mm256_dpbusd_epi32(acc, u, s);
 #elif defined(__AVXVNNI__)
     return _mm256_dpbusd_avx_epi32(acc, u, s);
 #else
-    if (bits == 4) /* pairs of 4-bit weights times int8 stay within int16 (2 * 15 * 128): maddubs cannot saturate */
-        return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
-    __m256i w = _mm256_xor_si256(u, _mm256_set1_epi8((char)0x80)); /* 8-bit weights: u - 128 (SIGNED8) */
+    __m256i w = _mm256_xor_si256(u, _mm256_set1_epi8((char)0x80)); /* u - 128 (SIGNED8) */
     return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(s, w)),
                                                    _mm256_set1_epi16(1)));
 #endif
-}
-
-/* dot_u8s8(dot_u8s8(0, u0, s0), u1, s1); for 4-bit weights without VNNI the two maddubs results are added
- * in 16 bits first (at most 4 * 15 * 128), which saves a widening multiply-add */
-static inline __m256i dot2_u8s8(const int bits, __m256i u0, __m256i s0, __m256i u1, __m256i s1) {
-#if !(defined(__AVX512VNNI__) && defined(__AVX512VL__)) && !defined(__AVXVNNI__)
-    if (bits == 4)
-        return _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(u0, s0), _mm256_maddubs_epi16(u1, s1)),
-                                 _mm256_set1_epi16(1));
-#endif
-    return dot_u8s8(bits, dot_u8s8(bits, _mm256_setzero_si256(), u0, s0), u1, s1);
 }
 
 static inline __m256 load_half8(const uint16_t *h) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)h)); }
@@ -277,47 +316,32 @@ static inline float hsum_f32(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-/* The integer sums of the `have` (1..8) sub-blocks of a chunk (4 or 8 bits), in kv_slot order, for rm
- * activation rows (a[j] + off): each weight byte is loaded (and unpacked) once for all of them. A pair of
- * sub-blocks makes two weight vectors, A and B, whose lanes 0-3 hold the first sub-block's and 4-7 the
- * second's: 4 bits, the low and the high nibbles of 32 bytes; 8 bits, the first and the second 16 bytes
- * of each. So one vector of sums covers two sub-blocks and 3 horizontal adds reduce eight, for either
- * width (8 bits converting and scaling every sub-block's own 8 lanes instead was slower). */
-static inline __attribute__((always_inline)) void chunk_sums(const int bits, const int rm, const uint8_t *q,
-                                                             const int8_t *const *a, size_t off, const int have,
-                                                             __m256i *r) {
+/* The integer sums of the `have` (1..8) sub-blocks of a chunk of 8-bit weights, in kv_slot order, for rm
+ * activation rows (a[j] + off): each weight byte is loaded once for all of them. A pair of sub-blocks makes two
+ * weight vectors, A = [sb0 first 16 | sb1 last 16] (a blend) and B = [sb0 last 16 | sb1 first 16] (a swap),
+ * whose lanes 0-3 hold the first sub-block's sums and 4-7 the second's: so one vector of sums covers two
+ * sub-blocks and 3 horizontal adds reduce eight (converting and scaling every sub-block's own 8 lanes instead
+ * was slower). */
+static inline __attribute__((always_inline)) void chunk_sums(const int rm, const uint8_t *q, const int8_t *const *a,
+                                                             size_t off, const int have, __m256i *r) {
     const __m256i zero = _mm256_setzero_si256();
-    const __m256i m = _mm256_set1_epi8(0x0F);
     __m256i p[2][4];
 #pragma GCC unroll 4
     for (int i = 0; i < 4; i++) {
         int left = have - 2 * i;
-        const uint8_t *qp = q + (bits == 4 ? 32 : 64) * i; /* this pair's weight bytes */
+        const uint8_t *qp = q + 64 * i; /* this pair's weight bytes */
         if (left >= 2) { /* a pair: lanes 0-3 the first sub-block's partial sums, lanes 4-7 the second's */
-            __m256i wa, wb;
-            if (bits == 4) {
-                __m256i b = _mm256_loadu_si256((const __m256i *)qp);
-                wa = _mm256_and_si256(b, m), wb = _mm256_and_si256(_mm256_srli_epi16(b, 4), m);
-            } else { /* A = [sb0 first 16 | sb1 last 16] (a blend), B = [sb0 last 16 | sb1 first 16] (a swap) */
-                __m256i b0 = _mm256_loadu_si256((const __m256i *)qp), b1 = _mm256_loadu_si256((const __m256i *)(qp + 32));
-                wa = _mm256_blend_epi32(b0, b1, 0xF0), wb = _mm256_permute2x128_si256(b0, b1, 0x21);
-            }
+            __m256i b0 = _mm256_loadu_si256((const __m256i *)qp), b1 = _mm256_loadu_si256((const __m256i *)(qp + 32));
+            __m256i wa = _mm256_blend_epi32(b0, b1, 0xF0), wb = _mm256_permute2x128_si256(b0, b1, 0x21);
             for (int j = 0; j < rm; j++) {
                 const int8_t *aa = a[j] + off + 64 * i;
-                p[j][i] = dot2_u8s8(bits, wa, _mm256_loadu_si256((const __m256i *)aa), wb,
-                                    _mm256_loadu_si256((const __m256i *)(aa + 32)));
+                p[j][i] = dot_u8s8(dot_u8s8(zero, wa, _mm256_loadu_si256((const __m256i *)aa)), wb,
+                                   _mm256_loadu_si256((const __m256i *)(aa + 32)));
             }
         } else if (left == 1) { /* a lone last sub-block (activations [A, B]): lanes 0-3, 4-7 zero */
-            const __m128i m16 = _mm_set1_epi8(0x0F);
-            __m256i w;
-            if (bits == 4) {
-                __m128i b = _mm_loadu_si128((const __m128i *)qp);
-                w = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), m16), _mm_and_si128(b, m16));
-            } else {
-                w = _mm256_loadu_si256((const __m256i *)qp);
-            }
+            __m256i w = _mm256_loadu_si256((const __m256i *)qp);
             for (int j = 0; j < rm; j++) {
-                __m256i v = dot_u8s8(bits, zero, w, _mm256_loadu_si256((const __m256i *)(a[j] + off + 64 * i)));
+                __m256i v = dot_u8s8(zero, w, _mm256_loadu_si256((const __m256i *)(a[j] + off + 64 * i)));
                 p[j][i] = _mm256_zextsi128_si256(_mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1)));
             }
         } else {
@@ -328,17 +352,14 @@ static inline __attribute__((always_inline)) void chunk_sums(const int bits, con
         r[j] = _mm256_hadd_epi32(_mm256_hadd_epi32(p[j][0], p[j][1]), _mm256_hadd_epi32(p[j][2], p[j][3]));
 }
 
-/* out[j * ROWS + i] = row n0 + i of a 4- or 8-bit linear . activation row j, for i < ROWS (rows past the
- * end repeat the last) and j < rm (1 or 2: a second activation row reuses every weight load). aff (a
- * constant, as bits and rm): an affine linear, whose mins add m * c instead of a zero point's -z * c term,
- * so the uint8 and symmetric instances are the code they were; 1 with float16 scales and mins (l->s,
+/* out[j * ROWS + i] = row n0 + i of an 8-bit linear . activation row j, for i < ROWS (rows past the end repeat
+ * the last) and j < rm (1 or 2: a second activation row reuses every weight load). aff (a constant): an affine
+ * linear, whose mins add m * c instead of a zero point's -z * c term; 1 with float16 scales and mins (l->s,
  * l->mins), 2 with float32 ones (l->s32, l->mins32). */
-static inline __attribute__((always_inline)) void qdot_rows_w(const int bits, const int aff, const kv_linear *l,
-                                                              const int rm, int n0, const int8_t *const *xq,
-                                                              const float *const *sa, const float *const *c,
-                                                              float *out) {
+static inline __attribute__((always_inline)) void qdot_rows_w(const int aff, const kv_linear *l, const int rm, int n0,
+                                                              const int8_t *const *xq, const float *const *sa,
+                                                              const float *const *c, float *out) {
     int nsb = l->k / SB, st = sub_stride(l->k);
-    size_t rb = (size_t)l->k * bits / 8, sbb = SB * bits / 8;
     const uint8_t *q[ROWS];
     const uint16_t *sw[ROWS], *mr[ROWS];
     const float *sw32[ROWS], *mr32[ROWS];
@@ -347,7 +368,7 @@ static inline __attribute__((always_inline)) void qdot_rows_w(const int bits, co
 #pragma GCC unroll 4
     for (int i = 0; i < ROWS; i++) {
         size_t row = (size_t)(n0 + i < l->n ? n0 + i : l->n - 1);
-        q[i] = l->q + row * rb;
+        q[i] = l->q + row * l->k;
         sw[i] = aff == 2 ? NULL : l->s + row * st;
         sw32[i] = aff == 2 ? l->s32 + row * st : NULL;
         zr[i] = aff || l->sym ? NULL : l->z + row * st;
@@ -355,7 +376,7 @@ static inline __attribute__((always_inline)) void qdot_rows_w(const int bits, co
         mr32[i] = aff == 2 ? l->mins32 + row * st : NULL;
         acc[i][0] = acc[i][1] = _mm256_setzero_ps();
     }
-    const float z8 = bits == 8 && SIGNED8 ? 128.f : 0.f; /* the sums' offset from u's (dot_u8s8) */
+    const float z8 = SIGNED8 ? 128.f : 0.f; /* the sums' offset from u's (dot_u8s8) */
     const __m256 zs = _mm256_set1_ps(l->zsym - z8), z8v = _mm256_set1_ps(z8);
     for (int sb = 0; sb < nsb; sb += 8) {
         __m256 sav[2], cv[2];
@@ -364,9 +385,9 @@ static inline __attribute__((always_inline)) void qdot_rows_w(const int bits, co
         for (int i = 0; i < ROWS; i++) {
             __m256i r[2];
             if (sb + 8 <= nsb)
-                chunk_sums(bits, rm, q[i] + sb * sbb, xq, (size_t)sb * SB, 8, r);
+                chunk_sums(rm, q[i] + sb * SB, xq, (size_t)sb * SB, 8, r);
             else
-                chunk_sums(bits, rm, q[i] + sb * sbb, xq, (size_t)sb * SB, nsb - sb, r);
+                chunk_sums(rm, q[i] + sb * SB, xq, (size_t)sb * SB, nsb - sb, r);
             /* aff is a constant: the figures' width is chosen at compile time, not per chunk */
             __m256 w = aff == 2 ? _mm256_loadu_ps(sw32[i] + sb) : load_half8(sw[i] + sb);
             if (aff) {
@@ -392,33 +413,99 @@ static inline __attribute__((always_inline)) void qdot_rows_w(const int bits, co
     }
 }
 
-/* The four instances (4 / 8 bits x 1 / 2 activation rows) of one kind of zero point: uint8 or symmetric (AFF 0),
- * or an affine linear's float ones (AFF 1 float16, 2 float32), in two functions that linear_rows picks between once per call, so
- * the first one's code is what it was before affine linears existed. */
-#define QDOT_ROWS_OF(AFF)                                                                                         \
-    if (l->bits == 4 && rm == 2)                                                                                  \
-        qdot_rows_w(4, AFF, l, 2, n0, xq, sa, c, out);                                                            \
-    else if (l->bits == 4)                                                                                        \
-        qdot_rows_w(4, AFF, l, 1, n0, xq, sa, c, out);                                                            \
-    else if (rm == 2)                                                                                             \
-        qdot_rows_w(8, AFF, l, 2, n0, xq, sa, c, out);                                                            \
-    else                                                                                                          \
-        qdot_rows_w(8, AFF, l, 1, n0, xq, sa, c, out);
+/* out[j * TILE + i] = row n0 + i (n0 a multiple of TILE) of a 4-bit linear . activation row j (channel order),
+ * for i < TILE and j < rm (1 to TILE_RM, a constant, as aff: qdot_rows_w's). Per sub-block, each of its 4
+ * vectors gives a low and a high nibble vector, each multiplied by 4 activations broadcast to all lanes, so the
+ * lanes add up to the TILE rows' integer sums: without VNNI, 8 maddubs pairs of at most 2 * 15 * 127 each, added in
+ * int16 (within 8 * 3810), then widened once. */
+static inline __attribute__((always_inline)) void qtile_w(const int aff, const int rm, const kv_linear *l, int n0,
+                                                          const int8_t *const *xq, const float *const *sa,
+                                                          const float *const *c, float *out) {
+    const int nsb = l->k / SB;
+    const size_t f0 = (size_t)(n0 / TILE) * nsb * TILE; /* this tile's figures */
+    const uint8_t *q = l->q + (size_t)n0 * l->k / 2;
+    const __m256i m = _mm256_set1_epi8(0x0F);
+    const __m256 zs = _mm256_set1_ps(l->zsym);
+    __m256 acc[TILE_RM];
+    for (int j = 0; j < rm; j++) acc[j] = _mm256_setzero_ps();
+    for (int sb = 0; sb < nsb; sb++, q += 4 * 32) {
+        __m256i d[TILE_RM];
+        for (int j = 0; j < rm; j++) d[j] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+        for (int v = 0; v < 4; v++) {
+            __m256i b = _mm256_loadu_si256((const __m256i *)(q + 32 * v));
+            __m256i lo = _mm256_and_si256(b, m), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), m);
+            for (int j = 0; j < rm; j++) {
+                int32_t a0, a1; /* activations 8 v .. 8 v + 3 and 8 v + 4 .. 8 v + 7 of the sub-block */
+                memcpy(&a0, xq[j] + sb * SB + 8 * v, 4), memcpy(&a1, xq[j] + sb * SB + 8 * v + 4, 4);
+#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
+                d[j] = dot_u8s8(dot_u8s8(d[j], lo, _mm256_set1_epi32(a0)), hi, _mm256_set1_epi32(a1));
+#else
+                d[j] = _mm256_add_epi16(_mm256_add_epi16(d[j], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(a0))),
+                                        _mm256_maddubs_epi16(hi, _mm256_set1_epi32(a1)));
+#endif
+            }
+        }
+        const size_t f = f0 + (size_t)sb * TILE;
+        __m256 w = aff == 2 ? _mm256_loadu_ps(l->s32 + f) : load_half8(l->s + f);
+        __m256 mn = aff == 2 ? _mm256_loadu_ps(l->mins32 + f) : aff == 1 ? load_half8(l->mins + f) : zs;
+        if (!aff && !l->sym) mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(l->z + f))));
+        for (int j = 0; j < rm; j++) {
+#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
+            __m256 x = _mm256_mul_ps(_mm256_cvtepi32_ps(d[j]), _mm256_broadcast_ss(sa[j] + sb));
+#else
+            __m256 x = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(d[j], _mm256_set1_epi16(1))),
+                                     _mm256_broadcast_ss(sa[j] + sb));
+#endif
+            __m256 cj = _mm256_broadcast_ss(c[j] + sb);
+            if (aff) /* w * sa * dot + m * c */
+                acc[j] = _mm256_fmadd_ps(mn, cj, _mm256_fmadd_ps(x, w, acc[j]));
+            else /* w * (sa * dot - z * c) */
+                acc[j] = _mm256_fmadd_ps(_mm256_fnmadd_ps(mn, cj, x), w, acc[j]);
+        }
+    }
+    for (int j = 0; j < rm; j++) _mm256_storeu_ps(out + j * TILE, acc[j]);
+}
 
-static __attribute__((noinline)) void qdot_rows_affine(const kv_linear *l, int rm, int n0, const int8_t *const *xq,
-                                                       const float *const *sa, const float *const *c, float *out) {
+/* The instances of one kind of zero point (AFF: 0 uint8 or symmetric, 1 affine float16, 2 affine float32) */
+#define QDOT_ROWS_OF(AFF)                                                                                         \
+    if (rm == 2)                                                                                                  \
+        qdot_rows_w(AFF, l, 2, n0, xq, sa, c, out);                                                               \
+    else                                                                                                          \
+        qdot_rows_w(AFF, l, 1, n0, xq, sa, c, out);
+#define QTILE_OF(AFF)                                                                                             \
+    switch (rm) {                                                                                                 \
+    case 4: qtile_w(AFF, 4, l, n0, xq, sa, c, out); break;                                                        \
+    case 3: qtile_w(AFF, 3, l, n0, xq, sa, c, out); break;                                                        \
+    case 2: qtile_w(AFF, 2, l, n0, xq, sa, c, out); break;                                                        \
+    default: qtile_w(AFF, 1, l, n0, xq, sa, c, out);                                                              \
+    }
+
+/* an 8-bit linear's rows (ROWS of them from n0) against rm (1 or 2) activation rows */
+static void qdot_rows(const kv_linear *l, int rm, int n0, const int8_t *const *xq, const float *const *sa,
+                      const float *const *c, float *out) {
     if (l->s32) {
         QDOT_ROWS_OF(2)
-    } else {
+    } else if (l->mins) {
         QDOT_ROWS_OF(1)
+    } else {
+        QDOT_ROWS_OF(0)
     }
 }
 
-static void qdot_rows(const kv_linear *l, int rm, int n0, const int8_t *const *xq, const float *const *sa,
-                      const float *const *c, float *out) {
-    QDOT_ROWS_OF(0)
+/* a 4-bit linear's tile at row n0 against rm (1 to TILE_RM) activation rows */
+static void qtile(const kv_linear *l, int rm, int n0, const int8_t *const *xq, const float *const *sa,
+                  const float *const *c, float *out) {
+    if (l->s32) {
+        QTILE_OF(2)
+    } else if (l->mins) {
+        QTILE_OF(1)
+    } else {
+        QTILE_OF(0)
+    }
 }
 #undef QDOT_ROWS_OF
+#undef QTILE_OF
 #else /* portable C: the same arithmetic, one channel at a time */
 /* IEEE half -> float (exact): normal, subnormal (renormalized), zero, inf / NaN */
 static float half_to_float(uint16_t h) {
@@ -439,41 +526,48 @@ static float half_to_float(uint16_t h) {
     return f;
 }
 
-static void qdot_rows(const kv_linear *l, int rm, int n0, const int8_t *const *xqs, const float *const *sas,
-                      const float *const *cs, float *out) {
-    int nsb = l->k / SB, st = sub_stride(l->k);
-    size_t rb = (size_t)l->k * l->bits / 8;
-    for (int j = 0; j < rm; j++)
-        for (int i = 0; i < ROWS; i++) {
-            const int8_t *xq = xqs[j];
-            const float *sa = sas[j], *c = cs[j];
-            int n = n0 + i < l->n ? n0 + i : l->n - 1;
-            const uint16_t *sw = l->s32 ? NULL : l->s + (size_t)n * st, *mr = l->mins ? l->mins + (size_t)n * st : NULL;
-            const float *sw32 = l->s32 ? l->s32 + (size_t)n * st : NULL, *mr32 = l->s32 ? l->mins32 + (size_t)n * st : NULL;
-            const uint8_t *q = l->q + (size_t)n * rb, *zr = l->mins || l->s32 || l->sym ? NULL : l->z + (size_t)n * st;
-            float y = 0.f;
-            for (int sb = 0; sb < nsb; sb++) {
-                int d = 0, pair = sb & ~1, lone = (pair + 1 == nsb);
-                const int8_t *base = xq + pair * SB; /* quantize_row's layout: the A and B halves */
-                int half = lone ? 16 : 32, off = lone ? 0 : (sb & 1) * 16, swap = off ? 16 : 0;
-                for (int t = 0; t < 16; t++) {
-                    const uint8_t *qq = q + (size_t)sb * SB * l->bits / 8;
-                    int a = l->bits == 4 ? qq[t] & 15 : qq[swap + t], b = l->bits == 4 ? qq[t] >> 4 : qq[(16 ^ swap) + t];
-                    d += a * base[off + t] + b * base[half + off + t];
-                }
-                int slot = kv_slot(sb);
-                float w = sw32 ? sw32[slot] : half_to_float(sw[slot]);
-                if (mr || mr32) {
-                    y += w * (sa[slot] * (float)d) + (mr32 ? mr32[slot] : half_to_float(mr[slot])) * c[slot];
-                    continue;
-                }
-                float z = zr ? zr[slot] : l->zsym;
-                y += w * (sa[slot] * (float)d - z * c[slot]);
-            }
-            out[j * ROWS + i] = y;
+/* row n of a quantized linear . one activation row (quantize_row's layout for the linear's width) */
+static float qdot_one(const kv_linear *l, int n, const int8_t *xq, const float *sa, const float *c) {
+    int nsb = l->k / SB;
+    float y = 0.f;
+    for (int sb = 0; sb < nsb; sb++) {
+        int d = 0;
+        if (tiled(l)) { /* lane n % TILE of the tile's 4 vectors: channels 8 v + b (low nibble), 8 v + 4 + b (high) */
+            const uint8_t *t = l->q + ((size_t)(n / TILE) * nsb + sb) * 4 * 32 + (size_t)(n % TILE) * 4;
+            for (int v = 0; v < 4; v++)
+                for (int b = 0; b < 4; b++)
+                    d += (t[32 * v + b] & 15) * xq[sb * SB + 8 * v + b] + (t[32 * v + b] >> 4) * xq[sb * SB + 8 * v + 4 + b];
+        } else { /* 8 bits: the activations' A and B halves (place_sub_block) */
+            int pair = sb & ~1, lone = (pair + 1 == nsb);
+            const int8_t *base = xq + pair * SB;
+            const uint8_t *qq = l->q + (size_t)n * l->k + (size_t)sb * SB;
+            int half = lone ? 16 : 32, off = lone ? 0 : (sb & 1) * 16, swap = off ? 16 : 0;
+            for (int t = 0; t < 16; t++) d += qq[swap + t] * base[off + t] + qq[(16 ^ swap) + t] * base[half + off + t];
         }
+        size_t f = fig_at(l, n, sb);
+        int slot = act_slot(sb, l->bits);
+        float w = l->s32 ? l->s32[f] : half_to_float(l->s[f]);
+        if (l->mins || l->s32) {
+            y += w * (sa[slot] * (float)d) + (l->s32 ? l->mins32[f] : half_to_float(l->mins[f])) * c[slot];
+            continue;
+        }
+        float z = l->sym ? l->zsym : l->z[f];
+        y += w * (sa[slot] * (float)d - z * c[slot]);
+    }
+    return y;
 }
-#define qdot_rows_affine qdot_rows /* the one function reads either kind of zero point */
+
+static void qdot_rows(const kv_linear *l, int rm, int n0, const int8_t *const *xq, const float *const *sa,
+                      const float *const *c, float *out) {
+    for (int j = 0; j < rm; j++)
+        for (int i = 0; i < ROWS; i++) out[j * ROWS + i] = qdot_one(l, n0 + i < l->n ? n0 + i : l->n - 1, xq[j], sa[j], c[j]);
+}
+
+static void qtile(const kv_linear *l, int rm, int n0, const int8_t *const *xq, const float *const *sa,
+                  const float *const *c, float *out) {
+    for (int j = 0; j < rm; j++)
+        for (int i = 0; i < TILE; i++) out[j * TILE + i] = qdot_one(l, n0 + i, xq[j], sa[j], c[j]);
+}
 #endif
 
 static float fdot(const float *a, const float *b, int k) {
@@ -498,10 +592,12 @@ static inline void fetch_span(const void *p, size_t bytes) {
     for (size_t o = 0; o < bytes; o += 64) PREFETCH_L2((const char *)p + o);
 }
 
-/* prefetch weight rows [n0, n1) of a quantized linear: bytes, scales and an affine one's mins */
+/* prefetch weight rows [n0, n1) of a quantized linear (n0 a multiple of its unit): bytes, scales and an affine
+ * one's mins */
 static inline void fetch_rows(const kv_linear *l, int n0, int n1) {
     if (l->w || n1 <= n0) return;
-    size_t rb = (size_t)l->k * l->bits / 8, st = sub_stride(l->k), at = (size_t)n0 * st, figs = (size_t)(n1 - n0) * st;
+    size_t rb = (size_t)l->k * l->bits / 8, per = tiled(l) ? (size_t)l->k / SB : (size_t)sub_stride(l->k);
+    size_t at = (size_t)n0 * per, figs = (size_t)(n1 - n0) * per; /* a tile's figures follow the one before */
     fetch_span(l->q + (size_t)n0 * rb, (size_t)(n1 - n0) * rb);
     if (l->s32) {
         fetch_span(l->s32 + at, sizeof(float) * figs), fetch_span(l->mins32 + at, sizeof(float) * figs);
@@ -535,12 +631,15 @@ static void fetch_some(kv_fetch *f, size_t bytes) {
     }
 }
 
-/* this thread's weight rows [*n0, *n1) of l (whole tiles of ROWS), and how many rows it fetches ahead */
+/* the weight rows a kernel call computes: a 4-bit tile, or ROWS rows of another linear */
+static inline int unit(const kv_linear *l) { return tiled(l) ? TILE : ROWS; }
+
+/* this thread's weight rows [*n0, *n1) of l (whole units), and how many rows it fetches ahead */
 static inline int my_rows(const kv_linear *l, int *n0, int *n1) {
-    int tiles = (l->n + ROWS - 1) / ROWS, t0, t1;
-    span(0, tiles, &t0, &t1);
-    *n0 = t0 * ROWS, *n1 = t1 * ROWS < l->n ? t1 * ROWS : l->n;
-    return ((int)(PREFETCH_BYTES / ((size_t)l->k * l->bits / 8)) + ROWS) & ~(ROWS - 1);
+    int u = unit(l), units = (l->n + u - 1) / u, t0, t1;
+    span(0, units, &t0, &t1);
+    *n0 = t0 * u, *n1 = t1 * u < l->n ? t1 * u : l->n;
+    return ((int)(PREFETCH_BYTES / ((size_t)l->k * l->bits / 8)) + u) / u * u;
 }
 
 /* fetch the head of this thread's rows of l: called one projection early, so the next stream is under
@@ -550,7 +649,7 @@ static void fetch_head(const kv_linear *l) {
     fetch_rows(l, n0, n0 + ahead < n1 ? n0 + ahead : n1);
 }
 
-/* y[m][n] = x[m] . W[n] (+ bias) for m rows; called inside a parallel region (tiles of ROWS rows of W
+/* y[m][n] = x[m] . W[n] (+ bias) for m rows; called inside a parallel region (units of W's rows, unit()
  * split between the threads), it ends with a barrier. xq, sa, c: scratch for 2m rows (2m * k bytes,
  * 2m * sub_stride(k) floats: an int16 linear's two planes per row); with rep, this thread's own. next: the projection that follows, whose weight
  * stream this thread starts before the barrier. more (or NULL): ranges fetched along the way. */
@@ -558,7 +657,7 @@ static void linear_rows(const kv_linear *l, int m, const float *x, float *y, int
                         int rep, const kv_linear *next, kv_fetch *more) {
     int st = sub_stride(l->k), n_start, n_end;
     int ahead = my_rows(l, &n_start, &n_end);
-    size_t share = more ? more->total / ((n_end - n_start) / ROWS + 1) + 64 : 0; /* of `more`, a tile */
+    size_t share = more ? more->total / ((n_end - n_start) / unit(l) + 1) + 64 : 0; /* of `more`, a unit */
     int r0, r1, p2 = l->planes == 2 && !l->w; /* rep: each thread quantizes the (few) rows into its own buffers */
     span(rep, m, &r0, &r1);
     for (int r = r0; r < r1 && !l->w; r++) {
@@ -573,11 +672,31 @@ static void linear_rows(const kv_linear *l, int m, const float *x, float *y, int
     if (!rep) { /* every row's input (and its quantization) is complete before any tile reads it */
 #pragma omp barrier
     }
-    for (int n0 = n_start; n0 < n_end; n0 += ROWS) {
-        int rows = l->n - n0 < ROWS ? l->n - n0 : ROWS;
+    const int u = unit(l);
+    for (int n0 = n_start; n0 < n_end; n0 += u) {
+        int rows = l->n - n0 < u ? l->n - n0 : u;
         if (n0 + ahead < n_end) /* decode streams every weight once: fetch ahead */
-            fetch_rows(l, n0 + ahead, n0 + ahead + ROWS < n_end ? n0 + ahead + ROWS : n_end);
+            fetch_rows(l, n0 + ahead, n0 + ahead + u < n_end ? n0 + ahead + u : n_end);
         if (more) fetch_some(more, share);
+        if (tiled(l)) { /* TILE_RM quantized rows at a time: a row's two planes (p2) are rows 2r, 2r + 1 */
+            int qm = p2 ? 2 * m : m;
+            for (int r = 0; r < qm; r += TILE_RM) {
+                int rm = qm - r < TILE_RM ? qm - r : TILE_RM;
+                float out[TILE_RM * TILE];
+                const int8_t *xs[TILE_RM];
+                const float *ss[TILE_RM], *cc[TILE_RM];
+                for (int j = 0; j < rm; j++)
+                    xs[j] = xq + (size_t)(r + j) * l->k, ss[j] = sa + (size_t)(r + j) * st, cc[j] = c + (size_t)(r + j) * st;
+                qtile(l, rm, n0, xs, ss, cc, out);
+                for (int j = 0; j < rm; j += 1 + p2)
+                    for (int i = 0; i < rows; i++) {
+                        float v = out[j * TILE + i];
+                        if (p2) v += out[(j + 1) * TILE + i]; /* the planes' dot products add up to their row's */
+                        y[(size_t)((r + j) >> p2) * l->n + n0 + i] = v + (l->bias ? l->bias[n0 + i] : 0.f);
+                    }
+            }
+            continue;
+        }
         for (int r = 0; r < m; r += 2 - p2) { /* two rows at once, or one row's two planes */
             int rm = r + 1 < m || p2 ? 2 : 1, qr = p2 ? 2 * r : r; /* qr: the first quantized row */
             float out[2 * ROWS];
@@ -589,10 +708,7 @@ static void linear_rows(const kv_linear *l, int m, const float *x, float *y, int
                 const int8_t *xs[2] = {xq + (size_t)qr * l->k, xq + (size_t)(qr + rm - 1) * l->k};
                 const float *ss[2] = {sa + (size_t)qr * st, sa + (size_t)(qr + rm - 1) * st};
                 const float *cc[2] = {c + (size_t)qr * st, c + (size_t)(qr + rm - 1) * st};
-                if (l->mins || l->s32)
-                    qdot_rows_affine(l, rm, n0, xs, ss, cc, out);
-                else
-                    qdot_rows(l, rm, n0, xs, ss, cc, out);
+                qdot_rows(l, rm, n0, xs, ss, cc, out);
                 if (p2) { /* the planes' dot products add up to row r's */
                     for (int i = 0; i < rows; i++) out[i] += out[ROWS + i];
                     rm = 1;
