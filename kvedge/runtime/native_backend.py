@@ -283,7 +283,9 @@ class NativeBackend(CacheList):
                  kv_scales=None, activations: str = "int8", flags: tuple[str, ...] = FLAGS):
         """model_dir: a Hugging Face checkpoint (pre-quantized AWQ / GPTQ ones run as they are). quantize: None
         keeps float32 projections; int8 / int4 round to nearest per group (as `kvedge export --quantize`).
-        model: an already built (and quantized) Decoder to run instead of loading model_dir.
+        model: an already built (and quantized) Decoder to run instead of loading model_dir. The backend keeps
+        no Decoder: the engine reads its own copies (4-bit weights as tiles) or the Decoder's tensors in place
+        (8-bit weights, float32 norms and tables), so a Decoder it loaded is freed but for those.
         kv_dtype "int8": an int8 cache (a quarter of float32's bytes) with per-layer, KV head and channel
         scales, kv_scales (k_scales, v_scales) as kvedge.runtime.calibration.calibrate_kv_scales gives them, or
         calibrated here on the built-in text through the (quantized) model, as `kvedge export --kv-dtype
@@ -321,7 +323,6 @@ class NativeBackend(CacheList):
         self.activations = activations
         self.dll = compile_engine(flags)
         self.kernels = KERNELS[self.dll.kv_simd()]
-        self.model = model
         self.max_batch, self.max_seq_len = max_batch, max_seq_len
         self.threads = threads or torch.get_num_threads()
         keep = self._keep = _Keep()
@@ -361,6 +362,7 @@ class NativeBackend(CacheList):
         for blk, ly in zip(model.layers, layers):  # each layer's table, none for a layer without RoPE
             ly.cos, ly.sin = tables.get(blk.rope_kind, (0, 0))
         self._switch, self._tables, self._long = rope.long_switch(cfg), tables, False  # longrope: see forward
+        self._global = [ly for blk, ly in zip(model.layers, layers) if blk.rope_kind == "global"]
         self._layers, self._first_row = layers, 0
         self.m = Model(cfg.vocab_size, cfg.hidden_size, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                        cfg.intermediate_size, cfg.rotary_dim // 2, int(cfg.mlp == "glu"), _ACTS[cfg.act],
@@ -398,9 +400,8 @@ class NativeBackend(CacheList):
             raise KvedgeError(f"positions {lo}..{hi} are outside the cache [0, {self.max_seq_len})")
         if self._switch is not None and (hi >= self._switch) != self._long:  # longrope: this call's set, as
             self._long = not self._long                                      # Decoder.forward picks it
-            for blk, ly in zip(self.model.layers, self._layers):
-                if blk.rope_kind == "global":
-                    ly.cos, ly.sin = self._tables["long" if self._long else "global"]
+            for ly in self._global:
+                ly.cos, ly.sin = self._tables["long" if self._long else "global"]
         need = self.dll.kv_scratch_bytes(ctypes.byref(self.m), b, length, self.threads)
         if need > self.scratch.numel():
             self.scratch = torch.empty(need, dtype=torch.uint8)

@@ -20,6 +20,7 @@ import platform
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -314,22 +315,24 @@ def test_bench_runs_the_native_backend_quantized_as_the_export_was(exported, hf_
                       allow_degraded=True)  # random tiny weights: int4 is far from fp32, speed only
     be = BACKENDS["native"].open(hf_checkpoint(case)[0], LoadOptions(threads=2, max_seq_len=MAX_SEQ, max_batch=1),
                                  export=out)
-    assert all(isinstance(getattr(blk, n), QuantLinear) and getattr(blk, n).bits == 4
-               for blk in be.model.layers for n in ("qkv", "o", "up", "down"))
-    assert isinstance(be.model.lm_head, QuantLinear) and be.m.lm_head.sym == 1 and be.m.lm_head.bits == 4
-    # the same integers and scales as the export's MatMulNBits initializers, linear by linear
+    # the engine holds the export's MatMulNBits integers and scales, linear by linear, in its own layout
     import onnx
     from onnx import numpy_helper
 
     graph = onnx.load(out / "model.onnx").graph
     inits = {t.name: numpy_helper.to_array(t) for t in graph.initializer}
-    exported_linears = {inits[n.input[1]].tobytes(): inits[n.input[2]] for n in graph.node if n.op_type == "MatMulNBits"}
-    mine = [getattr(blk, n) for blk in be.model.layers for n in ("qkv", "o", "up", "down")] + [be.model.lm_head]
+    exported_linears = {tiles_of(inits[n.input[1]], int(_attr(n, "N")), int(_attr(n, "K"))): inits[n.input[2]]
+                        for n in graph.node if n.op_type == "MatMulNBits"}
+    mine = [getattr(ly, n) for ly in be._layers for n in ("qkv", "o", "up", "down")] + [be.m.lm_head]
     assert len(exported_linears) == len(mine)
     for lin in mine:
-        scales = exported_linears.get(lin.qweight.numpy().tobytes())
+        assert lin.bits == 4 and lin.sym == 1 and not lin.w
+        scales = exported_linears.get(ctypes.string_at(lin.q, (lin.n + 7) // 8 * 8 * lin.k // 2))
         assert scales is not None, "a linear whose integers the export does not hold"
-        assert torch.equal(torch.from_numpy(scales.reshape(-1).astype("float32")), lin.scales.float().reshape(-1))
+        np_, nsb = (lin.n + 7) // 8 * 8, lin.k // 32  # figures [tile][sub-block][8 rows] (groups of 32 here)
+        held = np.frombuffer(ctypes.string_at(lin.s, np_ * nsb * 2), np.float16).reshape(np_ // 8, nsb, 8)
+        assert np.array_equal(held.transpose(0, 2, 1).reshape(np_, nsb)[:lin.n].astype(np.float32),
+                              scales.reshape(lin.n, nsb).astype(np.float32))
     report = tmp_path / "report"
     assert main(["bench", str(out), "--backend", "onnxruntime,native", "--prompt-lens", "8", "--gen-len", "4",
                  "--repeat", "1", "--warmup", "0", "-o", str(report), "--quiet"]) == 0
@@ -340,6 +343,23 @@ def test_bench_runs_the_native_backend_quantized_as_the_export_was(exported, hf_
     # int4 weights + an fp32 scale per 32 are well under the float32 checkpoint's bytes
     fp32 = sum(p.numel() * 4 for p in load_decoder(hf_checkpoint(case)[0]).parameters())
     assert 0 < rows["native"]["weights_bytes"] < fp32
+
+
+def tiles_of(q: np.ndarray, n: int, k: int) -> bytes:
+    """The engine's 4-bit tiles written with numpy from MatMulNBits bytes [n][k / 2] (element 2i in byte i's low
+    nibble, 2i + 1 in its high one), as docs/native.md lays them out: tile t, sub-block sb, vector v, lane r holds
+    row 8t + r's channels 32 sb + 8 v + b (low nibbles, b < 4) and 32 sb + 8 v + 4 + b (high ones); rows past n
+    are zero."""
+    b = q.reshape(n, k // 2)
+    w = np.empty((n, k), np.uint8)
+    w[:, 0::2], w[:, 1::2] = b & 15, b >> 4
+    w = np.pad(w, ((0, -n % 8), (0, 0))).reshape(-1, 8, k // 32, 4, 2, 4)  # t, r, sb, v, low / high, b
+    w = w.transpose(0, 2, 3, 1, 5, 4)  # t, sb, v, r, b, low / high
+    return (w[..., 0] | w[..., 1] << 4).tobytes()
+
+
+def _attr(node, name: str):
+    return next(a.i for a in node.attribute if a.name == name)
 
 
 def test_odd_thread_counts_and_wide_batches_split_the_work_correctly(hf_checkpoint):
@@ -361,7 +381,7 @@ def decode_slices(native, pos: torch.Tensor) -> tuple[int, ...]:
     (off by default), so this pins the decision, not what a run did."""
     pos = pos.to(torch.int64).contiguous()
     return tuple(native.dll.kv_decode_slices(ctypes.byref(native.m), li, pos.shape[0], pos.data_ptr(), native.threads)
-                 for li in range(native.model.cfg.num_layers))
+                 for li in range(native.cfg.num_layers))
 
 
 def _ragged_prefill_then_decode(model, native, cache, g, length, lasts, steps, slices):
@@ -435,7 +455,7 @@ def test_prequantized_checkpoints_run_as_they_are(case, tmp_path, monkeypatch):
 
     write_quantized(tmp_path, case)
     native = NativeBackend(tmp_path, max_batch=2, max_seq_len=MAX_SEQ, threads=2)
-    model = native.model
+    model = load_decoder(tmp_path, dtype="float32")  # the same integers: the engine's reference
     assert model.prequantized and all(isinstance(getattr(blk, "qkv"), QuantLinear) for blk in model.layers)
     cache = KVCache.allocate(model.cfg, 2, MAX_SEQ, dtype=torch.float32)
     forward = QuantLinear.forward
