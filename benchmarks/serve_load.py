@@ -53,6 +53,8 @@ def start_server(path: Path, backend: str, a) -> tuple[subprocess.Popen, int]:
     cmd = [sys.executable, "-m", "kvedge.cli", "serve", str(path), "--backend", backend, "--port", str(port),
            "--max-batch", str(max(a.streams)), "--max-queue", "0", "--max-seq-len", str(a.prompt + a.gen),
            "--threads", str(a.threads), "--model-name", "bench", "--quiet"]
+    if a.prefill_chunk:
+        cmd += ["--prefill-chunk", str(a.prefill_chunk)]
     proc = subprocess.Popen(cmd)
     deadline = time.monotonic() + 600
     while True:
@@ -170,6 +172,7 @@ def main() -> int:
     p.add_argument("--prompt", type=int, default=32, help="prompt tokens per request")
     p.add_argument("--gen", type=int, default=128, help="tokens generated per request")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--prefill-chunk", type=int, help="kvedge serve --prefill-chunk (default: the server's)")
     p.add_argument("--gguf", help="a real GGUF file instead of the random-weight SmolLM2-135M shape")
     p.add_argument("--work", help="folder for the checkpoint and the export (default: a temp dir)")
     a = p.parse_args()

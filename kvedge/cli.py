@@ -536,8 +536,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="requests that may wait for a row; past that the server answers 429 (default 16)")
     _runtime_args(s, "torch and native backends: tokens per row, prompt + completion (default 2048; an export's "
                      "is fixed)")
-    s.add_argument("--prefill-chunk", type=int, default=64,
-                   help="prompt tokens prefilled per step while other rows decode (default 64)")
+    s.add_argument("--prefill-chunk", type=int,
+                   help="prompt tokens prefilled per step while other rows decode (default 256)")
     s.add_argument("--api-key", default=os.environ.get("KVEDGE_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on every route but /health (default: $KVEDGE_API_KEY; "
                         "none: no key asked)")

@@ -15,17 +15,17 @@ from kvedge.runtime.session import Session
 
 
 def build_app(session: Session, model_name: str, *, api_key: str | None = None, max_queue: int = 16,
-              prefill_chunk: int = 64, max_body_bytes: int | None = None):
+              prefill_chunk: int | None = None, max_body_bytes: int | None = None):
     """The server's Starlette app over a Session's backend and tokenizer (its lifespan runs the scheduler)."""
     for module in ("starlette", "uvicorn", "prometheus_client"):
         require(module, "serve", "kvedge serve")
     from kvedge.serve.app import MAX_BODY_BYTES, create_app
     from kvedge.serve.metrics import Metrics
-    from kvedge.serve.scheduler import Scheduler
+    from kvedge.serve.scheduler import PREFILL_CHUNK, Scheduler
 
     if session.tokenizer is None:
         raise KvedgeError("kvedge serve needs the model's tokenizer (tokenizer.json in the folder, or a GGUF file)")
-    scheduler = Scheduler(session.backend, session.tokenizer, max_queue=max_queue, chunk_size=prefill_chunk,
+    scheduler = Scheduler(session.backend, session.tokenizer, max_queue=max_queue, chunk_size=prefill_chunk or PREFILL_CHUNK,
                           metrics=Metrics())
     return create_app(scheduler, model_name, api_key, max_body_bytes or MAX_BODY_BYTES)
 

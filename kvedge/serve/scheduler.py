@@ -37,6 +37,10 @@ from kvedge.runtime.sampling import SamplingParams, TokenSampler
 from kvedge.runtime.session import check_ids
 from kvedge.runtime.tokenizer import Output, Tokenizer
 
+# Prompt tokens a step prefills (kvedge serve --prefill-chunk): enough for a burst of short prompts to go in at one
+# step, so a decoding row waits once for all of them rather than once per chunk of 64 (docs/serve.md)
+PREFILL_CHUNK = 256
+
 
 log = logging.getLogger("kvedge.serve")
 
@@ -80,8 +84,8 @@ class Job:
 
 
 class Scheduler:
-    def __init__(self, backend: Backend, tokenizer: Tokenizer, *, max_queue: int = 16, chunk_size: int = 64,
-                 metrics=None):
+    def __init__(self, backend: Backend, tokenizer: Tokenizer, *, max_queue: int = 16,
+                 chunk_size: int = PREFILL_CHUNK, metrics=None):
         if max_queue < 0 or chunk_size < 1:
             raise KvedgeError(f"max_queue must be >= 0 and chunk_size >= 1, got {max_queue} and {chunk_size}")
         if not getattr(backend, "in_place", True):  # kvedge.runtime.backend: rows outside a call would go stale
