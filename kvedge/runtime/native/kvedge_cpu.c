@@ -20,8 +20,8 @@
  * (l->s32, l->mins32).
  * For speed, a 4-bit kernel call computes a tile of 8 rows against 1 to 4 activation rows: each weight vector
  * is unpacked once for all of them and meets 4 activations broadcast to every lane, so the lanes' sums are the
- * 8 rows' own (no horizontal add); against the row-by-row kernel it was 1.44x faster for 8 activation rows,
- * 1.34x for a 128-token prefill (docs/benchmarks.md). An 8-bit call computes 4 weight rows against 1 or 2
+ * 8 rows' own (no horizontal add): fewer instructions per multiply-add than the row kernel, most of all for
+ * several activation rows (docs/benchmarks.md). An 8-bit call computes 4 weight rows against 1 or 2
  * activation rows, every 8 sub-blocks reduced together: their scales are stored in the order the reduction
  * produces them (kv_slot), and the activations' per-sub-block figures are written in that order too, so no
  * shuffle happens per weight. Weight rows are prefetched ahead: decode reads every weight once per token, so
@@ -286,7 +286,7 @@ static void quantize_row16(const float *x, int k, int bits, int8_t *xq, float *s
 #if KV_AVX2
 /* Without VNNI, 8-bit weights u are multiplied as the signed bytes u - 128: maddubs of |u - 128| and of s with
  * u - 128's sign, whose pair sums stay within int16 (2 * 128 * 127: activations are within [-127, 127]). Widening
- * both to 16 bits instead took 7% longer at 8 rows (docs/benchmarks.md). The sums are then those of u - 128, so the
+ * both to 16 bits instead was slower at 8 rows (docs/benchmarks.md). The sums are then those of u - 128, so the
  * kernels take the zero point z - 128 (and an affine linear's min gains 128 scales). */
 #if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
 #define SIGNED8 0
