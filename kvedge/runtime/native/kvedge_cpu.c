@@ -54,8 +54,12 @@ int kv_simd(void) {
 }
 
 #define SB 32 /* input channels per sub-block */
-/* Weights are fetched this far ahead into L2 (prefetcht1): faster than 4 KiB ahead into L1, and far faster
- * than no software prefetch (docs/benchmarks.md). */
+/* Weight rows are fetched this far ahead into L2 (prefetcht1): faster than 4 KiB ahead into L1, and far faster
+ * than no software prefetch (docs/benchmarks.md). 4-bit tiles are one contiguous run per thread, which the
+ * hardware prefetchers follow: they are fetched one tile ahead only (0 bytes), which was faster than 16 KiB. */
+#ifndef TILE_PREFETCH_BYTES
+#define TILE_PREFETCH_BYTES 0
+#endif
 #ifndef PREFETCH_BYTES
 #define PREFETCH_BYTES 16384
 #endif
@@ -639,7 +643,8 @@ static inline int my_rows(const kv_linear *l, int *n0, int *n1) {
     int u = unit(l), units = (l->n + u - 1) / u, t0, t1;
     span(0, units, &t0, &t1);
     *n0 = t0 * u, *n1 = t1 * u < l->n ? t1 * u : l->n;
-    return ((int)(PREFETCH_BYTES / ((size_t)l->k * l->bits / 8)) + u) / u * u;
+    size_t bytes = tiled(l) ? TILE_PREFETCH_BYTES : PREFETCH_BYTES;
+    return ((int)(bytes / ((size_t)l->k * l->bits / 8)) + u) / u * u;
 }
 
 /* fetch the head of this thread's rows of l: called one projection early, so the next stream is under
