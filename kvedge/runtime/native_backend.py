@@ -216,7 +216,7 @@ def _weights(dll: ctypes.CDLL, mod: QuantLinear, keep: _Keep) -> int:
     if mod.bits != 4:
         return keep(q)
     n, k = mod.out_features, mod.in_features
-    tiles = torch.empty((n + 7) // 8 * 8 * k // 2, dtype=torch.uint8)
+    tiles = torch.empty(dll.kv_figures(n, k, 4) * 16, dtype=torch.uint8)  # 16 bytes a figure (32 channels)
     lin = Linear(n=n, k=k, bits=4)
     if dll.kv_pack_tiles(ctypes.byref(lin), tiles.data_ptr(), q.data_ptr()):
         raise KvedgeError(f"kv_pack_tiles refused a {n}x{k} 4-bit linear")

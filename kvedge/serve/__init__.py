@@ -25,8 +25,8 @@ def build_app(session: Session, model_name: str, *, api_key: str | None = None, 
 
     if session.tokenizer is None:
         raise KvedgeError("kvedge serve needs the model's tokenizer (tokenizer.json in the folder, or a GGUF file)")
-    scheduler = Scheduler(session.backend, session.tokenizer, max_queue=max_queue, chunk_size=prefill_chunk or PREFILL_CHUNK,
-                          metrics=Metrics())
+    scheduler = Scheduler(session.backend, session.tokenizer, max_queue=max_queue, metrics=Metrics(),
+                          chunk_size=PREFILL_CHUNK if prefill_chunk is None else prefill_chunk)
     return create_app(scheduler, model_name, api_key, max_body_bytes or MAX_BODY_BYTES)
 
 

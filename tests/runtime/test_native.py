@@ -321,7 +321,7 @@ def test_bench_runs_the_native_backend_quantized_as_the_export_was(exported, hf_
 
     graph = onnx.load(out / "model.onnx").graph
     inits = {t.name: numpy_helper.to_array(t) for t in graph.initializer}
-    exported_linears = {tiles_of(inits[n.input[1]], int(_attr(n, "N")), int(_attr(n, "K"))): inits[n.input[2]]
+    exported_linears = {tiles_of(inits[n.input[1]], _attr(n, "N"), _attr(n, "K")): inits[n.input[2]]
                         for n in graph.node if n.op_type == "MatMulNBits"}
     mine = [getattr(ly, n) for ly in be._layers for n in ("qkv", "o", "up", "down")] + [be.m.lm_head]
     assert len(exported_linears) == len(mine)
@@ -358,7 +358,7 @@ def tiles_of(q: np.ndarray, n: int, k: int) -> bytes:
     return (w[..., 0] | w[..., 1] << 4).tobytes()
 
 
-def _attr(node, name: str):
+def _attr(node, name: str) -> int:
     return next(a.i for a in node.attribute if a.name == name)
 
 

@@ -293,10 +293,11 @@ static void quantize_row16(const float *x, int k, int bits, int8_t *xq, float *s
  * both to 16 bits instead was slower at 8 rows (docs/benchmarks.md). The sums are then those of u - 128, so the
  * kernels take the zero point z - 128 (and an affine linear's min gains 128 scales). */
 #if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
-#define SIGNED8 0
+#define KV_VNNI 1 /* dpbusd: u8 x s8 products summed 4 at a time into int32 */
 #else
-#define SIGNED8 1
+#define KV_VNNI 0
 #endif
+#define SIGNED8 (!KV_VNNI)
 
 /* acc + the sums of each 4 adjacent products u * s (u unsigned bytes, s signed bytes; u less 128 under SIGNED8) */
 static inline __m256i dot_u8s8(__m256i acc, __m256i u, __m256i s) {
@@ -442,7 +443,7 @@ static inline __attribute__((always_inline)) void qtile_w(const int aff, const i
             for (int j = 0; j < rm; j++) {
                 int32_t a0, a1; /* activations 8 v .. 8 v + 3 and 8 v + 4 .. 8 v + 7 of the sub-block */
                 memcpy(&a0, xq[j] + sb * SB + 8 * v, 4), memcpy(&a1, xq[j] + sb * SB + 8 * v + 4, 4);
-#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
+#if KV_VNNI
                 d[j] = dot_u8s8(dot_u8s8(d[j], lo, _mm256_set1_epi32(a0)), hi, _mm256_set1_epi32(a1));
 #else
                 d[j] = _mm256_add_epi16(_mm256_add_epi16(d[j], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(a0))),
@@ -452,10 +453,12 @@ static inline __attribute__((always_inline)) void qtile_w(const int aff, const i
         }
         const size_t f = f0 + (size_t)sb * TILE;
         __m256 w = aff == 2 ? _mm256_loadu_ps(l->s32 + f) : load_half8(l->s + f);
-        __m256 mn = aff == 2 ? _mm256_loadu_ps(l->mins32 + f) : aff == 1 ? load_half8(l->mins + f) : zs;
-        if (!aff && !l->sym) mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(l->z + f))));
+        __m256 mn = aff == 2 ? _mm256_loadu_ps(l->mins32 + f) /* the mins, or the zero points */
+                    : aff == 1 ? load_half8(l->mins + f)
+                    : l->sym   ? zs
+                               : _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(l->z + f))));
         for (int j = 0; j < rm; j++) {
-#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
+#if KV_VNNI
             __m256 x = _mm256_mul_ps(_mm256_cvtepi32_ps(d[j]), _mm256_broadcast_ss(sa[j] + sb));
 #else
             __m256 x = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(d[j], _mm256_set1_epi16(1))),
