@@ -414,7 +414,7 @@ SLICED = FLAGS + ("-DSLICE_MIN=4",)
     ("llama-mha", 2, 2, FLAGS, [49, 33], (1, 1)), ("gemma", 2, 1, SLICED, [49], (2, 2)),
     ("gemma2", 3, 2, SLICED, [49, 0], (2, 3, 2)), ("llama-mha", 3, 2, SLICED, [49, 33], (3, 3))])
 def test_long_ragged_decode_equals_torch(case, threads, batch, flags, lasts, slices, hf_checkpoint):
-    """Decode past 32 cached positions (many 4-key blocks, a partial last one), on 2 and 3 threads, one row or
+    """Decode past 32 cached positions (many 2-key blocks, a partial last one), on 2 and 3 threads, one row or
     two ragged ones: float32 logits and caches equal the PyTorch model's. GQA 4, MQA with 8 query heads (2
     blocks of 4), MQA with 4, gemma2 (windowed and global layers, soft-capped scores), MHA. Sliced: gemma's
     one KV head in 2 slices on 2 threads; gemma2's 4 items in 3 slices each, windows of 8 (layers 0 and 2) in 2,
@@ -426,6 +426,20 @@ def test_long_ragged_decode_equals_torch(case, threads, batch, flags, lasts, sli
     _ragged_prefill_then_decode(model, native, cache, torch.Generator().manual_seed(7), 50, lasts, 5, slices)
     for mine, ref in zip(native.caches[0::2] + native.caches[1::2], cache.keys + cache.values):
         torch.testing.assert_close(mine, ref, rtol=0, atol=1e-5 * float(ref.abs().max()))
+
+
+@pytest.mark.parametrize("threads,flags,slices", [(2, FLAGS, (1, 1)), (3, SLICED, (3, 3))])
+def test_decode_with_heads_of_64_channels_equals_torch(threads, flags, slices, tmp_path):
+    """Heads of 64 channels in groups of 3 query heads, SmolLM2's shape (the tests' other cases have at most 32
+    channels: the engine sums V 64 channels at a time only when a head has a multiple of 64): prefill of two
+    ragged rows, then decode, whole and in 3 slices, equals the PyTorch model to 1e-5 of the largest logit."""
+    from tests.conftest import save_hf_model
+
+    save_hf_model(tmp_path, "llama", hidden_size=96, head_dim=64, num_attention_heads=6, num_key_value_heads=2)
+    model = load_decoder(tmp_path, dtype="float32")
+    native = NativeBackend(tmp_path, max_batch=2, max_seq_len=MAX_SEQ, threads=threads, model=model, flags=flags)
+    cache = KVCache.allocate(model.cfg, 2, MAX_SEQ, dtype=torch.float32)
+    _ragged_prefill_then_decode(model, native, cache, torch.Generator().manual_seed(3), 50, [49, 33], 5, slices)
 
 
 def test_longrope_switches_tables_per_call_as_the_pytorch_decoder(hf_checkpoint):

@@ -940,35 +940,47 @@ static void attend(const kv_model *m, const float *const *q, int nq, const int *
     for (int i = 0; i < QB; i++) sc[i] = scores + (size_t)i * m->max_seq, mx[i] = -INFINITY;
     int j = first;
 #if KV_AVX2
-    if (d % 8 == 0) /* 4 keys x the queries at a time: each K and q vector loaded once per 4 x nq dots */
-        for (; j + 4 <= hi + 1; j += 4) {
-            __m256 acc[QB][4];
-            for (int i = 0; i < QB; i++)
-                for (int kk = 0; kk < 4; kk++) acc[i][kk] = _mm256_setzero_ps();
+    if (d % 8 == 0) { /* 2 keys x the queries at a time, in 2 QB accumulators (4 keys' 4 QB spilled registers) */
+        __m128 mxv[QB];
+        for (int i = 0; i < QB; i++) mxv[i] = _mm_set1_ps(-INFINITY);
+        for (; j + 2 <= hi + 1; j += 2) {
+            __m256 acc[QB][2];
+            for (int i = 0; i < QB; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
             for (int t = 0; t < d; t += 8) {
-                __m256 kv[4];
-                for (int kk = 0; kk < 4; kk++) kv[kk] = _mm256_loadu_ps(kc + (size_t)(j + kk) * d + t);
+                __m256 k0 = _mm256_loadu_ps(kc + (size_t)j * d + t), k1 = _mm256_loadu_ps(kc + (size_t)(j + 1) * d + t);
 #pragma GCC unroll 4
                 for (int i = 0; i < QB; i++) {
                     if (i >= nq) break;
                     __m256 qv = _mm256_loadu_ps(q[i] + t);
-#pragma GCC unroll 4
-                    for (int kk = 0; kk < 4; kk++) acc[i][kk] = _mm256_fmadd_ps(qv, kv[kk], acc[i][kk]);
+                    acc[i][0] = _mm256_fmadd_ps(qv, k0, acc[i][0]), acc[i][1] = _mm256_fmadd_ps(qv, k1, acc[i][1]);
                 }
             }
-            for (int i = 0; i < nq; i++) {
-                __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(acc[i][0], acc[i][1]), _mm256_hadd_ps(acc[i][2], acc[i][3]));
+            for (int i = 0; i < nq; i++) { /* [s0 s0 s1 s1 | s0 s0 s1 s1] partial sums -> s0, s1 */
+                __m256 h = _mm256_hadd_ps(acc[i][0], acc[i][1]);
+                __m128 h4 = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+                __m128 s2 = _mm_mul_ps(_mm_hadd_ps(h4, h4), _mm_set1_ps(m->attn_scale)); /* [s0 s1 s0 s1] */
+                if (j >= lo[i] && j + 1 <= p[i] && !(m->attn_softcap > 0.f)) { /* both keys in query i's slots: no branch a key */
+                    _mm_storel_pi((__m64 *)(sc[i] + j), s2);
+                    mxv[i] = _mm_max_ps(mxv[i], s2);
+                    continue;
+                }
                 float s4[4];
-                _mm_storeu_ps(s4, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
-                for (int kk = 0; kk < 4; kk++) {
+                _mm_storeu_ps(s4, s2);
+                for (int kk = 0; kk < 2; kk++) {
                     if (j + kk < lo[i] || j + kk > p[i]) continue;
-                    float v = s4[kk] * m->attn_scale;
+                    float v = s4[kk];
                     if (m->attn_softcap > 0.f) v = tanhf(v / m->attn_softcap) * m->attn_softcap;
                     sc[i][j + kk] = v;
                     mx[i] = v > mx[i] ? v : mx[i];
                 }
             }
         }
+        for (int i = 0; i < nq; i++) {
+            __m128 v = _mm_max_ps(mxv[i], _mm_movehl_ps(mxv[i], mxv[i]));
+            float f = _mm_cvtss_f32(_mm_max_ss(v, _mm_shuffle_ps(v, v, 1)));
+            mx[i] = f > mx[i] ? f : mx[i];
+        }
+    }
 #endif
     for (; j <= hi; j++) {
         const float *k = kc + (size_t)j * d;
@@ -992,10 +1004,29 @@ static void attend(const kv_model *m, const float *const *q, int nq, const int *
                 for (int j = lo[i]; j <= p[i]; j++) sc[i][j] *= inv;
             }
         }
-        for (int j = first; j <= hi; j++) /* weight 0 outside each query's slots (and for absent queries) */
-            if (i >= nq || j < lo[i] || j > p[i]) sc[i][j] = 0.f;
-        for (int t = 0; t < d; t++) out[i < nq ? i : 0][t] = 0.f;
+        for (int j = first; i < nq && j < lo[i]; j++) sc[i][j] = 0.f; /* weight 0 outside each query's slots */
+        for (int j = p[i] + 1; i < nq && j <= hi; j++) sc[i][j] = 0.f;
     }
+#if KV_AVX2
+    if (d % 64 == 0) { /* 64 channels of one query's output in 8 registers over all the slots (not loaded and stored
+                        * a slot), 8 independent chains of FMAs */
+        for (int i = 0; i < nq; i++)
+            for (int t = 0; t < d; t += 64) {
+                __m256 acc[8];
+                for (int e = 0; e < 8; e++) acc[e] = _mm256_setzero_ps();
+                for (int j = first; j <= hi; j++) {
+                    __m256 w = _mm256_broadcast_ss(sc[i] + j);
+                    const float *v = vc + (size_t)j * d + t;
+#pragma GCC unroll 8
+                    for (int e = 0; e < 8; e++) acc[e] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8 * e), acc[e]);
+                }
+                for (int e = 0; e < 8; e++) _mm256_storeu_ps(out[i] + t + 8 * e, acc[e]);
+            }
+        return;
+    }
+#endif
+    for (int i = 0; i < nq; i++)
+        for (int t = 0; t < d; t++) out[i][t] = 0.f;
     for (int j = first; j <= hi; j++) {
         const float *v = vc + (size_t)j * d;
         for (int i = 0; i < nq; i++) {
