@@ -461,9 +461,10 @@ def _runtime_args(s: argparse.ArgumentParser, seq_len_help: str) -> None:
                         "as `kvedge export --quantize ... --symmetric --quantize-lm-head`; a GGUF file's and a "
                         "pre-quantized AWQ / GPTQ checkpoint's integers are kept as they are (default int4)")
     s.add_argument("--max-seq-len", type=int, default=2048, help=seq_len_help)
-    s.add_argument("--kv-dtype", choices=("int8",), default=None,
-                   help="torch and native backends: an int8 cache (calibrated on the built-in text; a quarter of "
-                        "float32's bytes); an export's cache dtype is set by kvedge export --kv-dtype")
+    s.add_argument("--kv-dtype", choices=("fp16", "int8"), default=None,
+                   help="torch and native backends, float32 models: fp16, a float16 cache (half of float32's bytes; K "
+                        "and V rounded on write, as llama.cpp's default cache), or int8 (calibrated on the built-in "
+                        "text; a quarter); default float32. An export's cache dtype is set by kvedge export --kv-dtype")
     s.add_argument("--threads", type=int, default=0, help="CPU threads (default: the runtime's choice)")
     _activations_arg(s)
 

@@ -23,6 +23,8 @@
   round(x * (1 / scale)) half to even, clamped to [-128, 127], and attention reads the dequantized
   cache (int8 * scale), new tokens included. This is ONNX Runtime's GroupQueryAttention CPU kernel
   bit for bit (tests/models/test_kv_int8.py).
+- A float cache narrower than q (float16 under a float32 model, kv_dtype "fp16") holds the new k and v
+  rounded to its dtype on write (to nearest even), and attention reads it as q's dtype.
 - Softmax runs over the key axis, in float32, after masking (masked scores are -inf, not zeroed
   probabilities), and after the optional softcap tanh(s / c) * c.
 
@@ -41,7 +43,7 @@ def write_cache(cache: torch.Tensor, new: torch.Tensor, positions: torch.Tensor)
     """Write new [B, Hkv, L, D] into cache [B, Hkv, S, D] at positions [B, L], in place."""
     b, h, l, d = new.shape
     index = positions[:, None, :, None].expand(b, h, l, d)
-    cache.scatter_(2, index, new)
+    cache.scatter_(2, index, new.to(cache.dtype))  # a float16 cache under a float32 model: rounded here
 
 
 def quantize_kv(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -92,6 +94,8 @@ def attention(
     keys, values = k_cache[:, :, :kv_len], v_cache[:, :, :kv_len]
     if k_scale is not None:
         keys, values = dequantize_kv(keys, k_scale, q.dtype), dequantize_kv(values, v_scale, q.dtype)
+    elif keys.dtype != q.dtype:  # a float16 cache under a float32 model: read as q's dtype
+        keys, values = keys.to(q.dtype), values.to(q.dtype)
     if d != keys.shape[-1]:  # MLA: the key is [k_rope, c_kv]
         keys = torch.cat((keys, values), dim=-1)
     keys, values = keys.unsqueeze(2), values.unsqueeze(2)  # [B, Hkv, 1, S, D]: shared by the group, not copied

@@ -19,8 +19,8 @@ def load(path: str | Path, backend: str = "auto", *, max_batch: int | None = Non
     """Open a session. `path` is an export folder (kvedge.json; backend onnxruntime or tensorrt), a Hugging
     Face checkpoint (config.json) or a GGUF file (backend torch, or native). backend="auto" picks by what the folder holds.
     quantize: the native backend's weights (int4, int8, or None for float32; see NativeBackend).
-    kv_dtype: "int8" for an int8 cache calibrated on the built-in text (torch and native backends; an
-    export's cache dtype is fixed at export).
+    kv_dtype: "fp16" for a float16 cache under a float32 model, "int8" for an int8 cache calibrated on the
+    built-in text (torch and native backends; an export's cache dtype is fixed at export).
     activations: the native backend's projection inputs, "int8" (fast) or "int16" (within float rounding of
     the torch model; see NativeBackend).
     fused_attention=False: the torch backend on CUDA keeps the reference attention op instead of the Triton

@@ -32,7 +32,7 @@ class LoadOptions:
     device: str | None = None  # torch device
     dtype: str | None = None  # torch: the model's dtype (default: the checkpoint's)
     quantize: str | None = "int4"  # native: int4, int8 or None (float32)
-    kv_dtype: str | None = None  # checkpoint backends: "int8" for an int8 cache
+    kv_dtype: str | None = None  # checkpoint backends: "fp16" (under a float32 model) or "int8" caches
     fused_attention: bool = True  # torch on CUDA: the Triton kernels if installed; False keeps the reference op
     activations: str = "int8"  # native: a quantized projection's input, int8 (fast) or int16 (torch's figures)
 

@@ -8,12 +8,12 @@ kvedge.models.quant (round to nearest) or taken as it is (a pre-quantized AWQ / 
 the engine reads those same MatMulNBits bytes in place (a GGUF file's blocks too). Projections compute with
 int8 activations per 32 input channels (ONNX Runtime's accuracy_level 4 scheme, and llama.cpp's), or int16
 ones (activations="int16": within float rounding of the torch model); norms, RoPE, attention and the cache
-are float32 (or an int8 cache, kv_dtype="int8"). Caches are torch tensors [max_batch, kv_heads,
+are float32 (or a float16 cache, kv_dtype="fp16", or an int8 one, kv_dtype="int8"). Caches are torch tensors [max_batch, kv_heads,
 max_seq_len, head_dim], allocated once and written in place by the engine.
 
 Supported: RMSNorm decoders with rotary positions (llama, mistral, qwen2, qwen3, gemma, gemma2, gemma3, phi3,
 granite, olmo2, smollm3: layers without RoPE or with their own RoPE base, norms before and / or after each sublayer).
-Refused with a reason: LayerNorm / learned positions (gpt2), a cache other than float32 or int8.
+Refused with a reason: LayerNorm / learned positions (gpt2), a cache other than float32, float16 or int8.
 """
 
 from __future__ import annotations
@@ -63,7 +63,8 @@ class Layer(ctypes.Structure):
 class Model(ctypes.Structure):
     _c_struct_ = "kv_model"
     _fields_ = [(n, ctypes.c_int32) for n in ("vocab", "hidden", "n_layers", "hq", "hkv", "d", "inter", "rot_half",
-                                              "glu", "act", "unit_offset", "max_batch", "max_seq", "qk_norm_all")] + \
+                                              "glu", "act", "unit_offset", "max_batch", "max_seq", "qk_norm_all",
+                                              "kv_half")] + \
                [(n, ctypes.c_float) for n in ("eps", "attn_scale", "attn_softcap", "final_softcap", "embed_scale",
                                               "residual_scale", "logits_divisor")] + \
                [("embed", ctypes.c_void_p), ("final_norm", ctypes.c_void_p), ("lm_head", Linear),
@@ -290,6 +291,8 @@ class NativeBackend(CacheList):
         scales, kv_scales (k_scales, v_scales) as kvedge.runtime.calibration.calibrate_kv_scales gives them, or
         calibrated here on the built-in text through the (quantized) model, as `kvedge export --kv-dtype
         int8` does; new K/V are quantized on write and attention reads them dequantized, as the reference op.
+        kv_dtype "fp16": a float16 cache (half of float32's bytes, as llama.cpp's default): new K/V are rounded
+        to float16 on write and attention reads them as float32, as the reference op over a float16 cache.
         activations: what a quantized projection multiplies its weights with. "int8" (per 32 channels, as
         llama.cpp and ONNX Runtime's accuracy level 4 do) is the fast one; "int16" (two int8 planes) is within
         float rounding of the torch model, for twice the multiply-adds (slower, most of all in prefill).
@@ -326,8 +329,8 @@ class NativeBackend(CacheList):
         self.max_batch, self.max_seq_len = max_batch, max_seq_len
         self.threads = threads or torch.get_num_threads()
         keep = self._keep = _Keep()
-        if kv_dtype not in (None, "fp32", "int8"):
-            raise KvedgeError(f"kv_dtype {kv_dtype!r}: the native engine's cache is float32 or int8")
+        if kv_dtype not in (None, "fp32", "fp16", "int8"):
+            raise KvedgeError(f"kv_dtype {kv_dtype!r}: the native engine's cache is fp32, fp16 or int8")
         self.kv_scales = None
         if kv_dtype == "int8":
             if kv_scales is None:
@@ -340,7 +343,7 @@ class NativeBackend(CacheList):
             self.kv_scales = tuple([s.float().reshape(cfg.num_kv_heads, cfg.head_dim).contiguous() for s in side]
                                    for side in kv_scales)
         shape = (max_batch, cfg.num_kv_heads, max_seq_len, cfg.head_dim)
-        cache_dtype = torch.int8 if kv_dtype == "int8" else torch.float32
+        cache_dtype = {"int8": torch.int8, "fp16": torch.float16}.get(kv_dtype, torch.float32)
         self.caches = [torch.zeros(shape, dtype=cache_dtype) for _ in range(2 * cfg.num_layers)]  # k0, v0, k1, ...
         layers = (Layer * cfg.num_layers)()
         for i, (blk, ly) in enumerate(zip(model.layers, layers)):
@@ -367,7 +370,8 @@ class NativeBackend(CacheList):
         self.m = Model(cfg.vocab_size, cfg.hidden_size, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                        cfg.intermediate_size, cfg.rotary_dim // 2, int(cfg.mlp == "glu"), _ACTS[cfg.act],
                        int(cfg.norm_unit_offset), max_batch, max_seq_len,
-                       int(cfg.qk_norm and cfg.qk_norm_scope == "all"), cfg.norm_eps, cfg.attn_scale,
+                       int(cfg.qk_norm and cfg.qk_norm_scope == "all"), int(kv_dtype == "fp16"), cfg.norm_eps,
+                       cfg.attn_scale,
                        cfg.attn_softcap or 0.0, cfg.final_softcap or 0.0, cfg.embed_scale, cfg.residual_scale,
                        cfg.logits_divisor, keep(model.embed.weight.detach().float().contiguous()),
                        keep(model.norm.weight.detach().float().contiguous()),

@@ -3,7 +3,8 @@
 On CUDA with triton installed, attention runs through kvedge's fused Triton kernels
 (torch.ops.kvedge.triton_attention); fused_attention=False (kvedge.load's too) keeps the reference op.
 kv_dtype="int8": the reference int8 cache (kvedge.models.attention), with kv_scales (per-layer k, v scales)
-or scales calibrated on the built-in text as `kvedge export --kv-dtype int8` does; always the reference op."""
+or scales calibrated on the built-in text as `kvedge export --kv-dtype int8` does; kv_dtype="fp16" under a
+float32 model: a float16 cache (K and V rounded on write, read as float32). Both always run the reference op."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from kvedge.dtypes import TORCH
 from kvedge.errors import KvedgeError
 from kvedge.models import KVCache, is_checkpoint, load_decoder
 from kvedge.models.attention import attention
@@ -59,8 +61,11 @@ class TorchBackend:
 
                 kv_scales = builtin_kv_scales(self.model, model_dir)
             cache_dtype = torch.int8
-        elif kv_dtype is not None:
-            raise KvedgeError(f"kv_dtype {kv_dtype!r}: the torch backend's cache is the model's dtype or int8")
+        elif kv_dtype == "fp16" and cache_dtype == torch.float32:  # a float16 cache under a float32 model
+            cache_dtype = torch.float16
+        elif kv_dtype is not None and TORCH.get(kv_dtype) != cache_dtype:
+            raise KvedgeError(f"kv_dtype {kv_dtype!r}: the torch backend's cache is the model's dtype, float16 "
+                              f"under a float32 model, or int8")
         self.cache = KVCache.allocate(self.cfg, max_batch, max_seq_len, dtype=cache_dtype, device=self.device,
                                       scales=kv_scales)
         # the Triton kernels take one head width for q, k and v: MLA's latent attention runs the reference op

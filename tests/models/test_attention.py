@@ -137,3 +137,19 @@ def test_fp16_attention_close_to_fp32_reference():
     half = [t.half() for t in (q, k, v, kc, vc)]
     out = attention(*half, pos, scale=d**-0.5)
     assert (out.double() - ref).abs().max() < 2e-3
+
+
+def test_float16_cache_under_float32_queries_holds_rounded_keys_and_values():
+    """kv_dtype fp16 under a float32 model: the new k, v are rounded to float16 as they are written, and
+    attention (in float32) reads the cache as float32: the naive formula over the float16-rounded cache."""
+    d = 64
+    q, k, v, kc, vc, pos = random_case(2, 6, 2, d, 32, [20, 7], 3)
+    kc16, vc16 = kc.half(), vc.half()
+    out = attention(q, k, v, kc16, vc16, pos, scale=d**-0.5)
+    index = pos[:, None, :, None].expand(2, 2, 3, d)
+    assert torch.equal(kc16.gather(2, index), k.half()) and torch.equal(vc16.gather(2, index), v.half())
+    ref = naive(q, kc.scatter(2, index, k.half().float()).half(), vc.scatter(2, index, v.half().float()).half(),
+                pos, d**-0.5)
+    assert out.dtype == torch.float32 and (out.double() - ref).abs().max() < 1e-5
+    full = naive(q, kc.scatter(2, index, k), vc.scatter(2, index, v), pos, d**-0.5)  # what rounding changes
+    assert (full - ref).abs().max() > 1e-4

@@ -442,6 +442,38 @@ def test_decode_with_heads_of_64_channels_equals_torch(threads, flags, slices, t
     _ragged_prefill_then_decode(model, native, cache, torch.Generator().manual_seed(3), 50, [49, 33], 5, slices)
 
 
+@pytest.mark.parametrize("build", list(BUILDS))
+def test_float16_cache_equals_the_torch_backends(build, tmp_path):
+    """kv_dtype="fp16" (K and V rounded to float16 as they are written, read as float32) on each build, heads of
+    64 channels and a GQA group of 3: a prefill of two ragged rows and decode steps give the logits of the torch
+    backend over its float16 cache (within 1e-4 of the largest), whose difference from float32 caches is
+    far larger; the caches hold the same float16 values (up to one unit in the last place, where a float32 k
+    or v computed in another order sat next to a rounding boundary, and 1e-4 of the largest: such a flip in one
+    layer's cache moves the next layers' k and v)."""
+    from kvedge.runtime.torch_backend import TorchBackend
+    from tests.conftest import save_hf_model
+
+    save_hf_model(tmp_path, "llama", hidden_size=96, head_dim=64, num_attention_heads=6, num_key_value_heads=2)
+    native = NativeBackend(tmp_path, max_batch=2, max_seq_len=MAX_SEQ, threads=2, quantize=None, kv_dtype="fp16",
+                           flags=BUILDS[build])
+    ref, full = (TorchBackend(tmp_path, max_batch=2, max_seq_len=MAX_SEQ, dtype="fp32", kv_dtype=kv)
+                 for kv in ("fp16", None))
+    g = torch.Generator().manual_seed(5)
+    ids, pos, idx = torch.randint(3, 160, (2, 40), generator=g), torch.arange(40).repeat(2, 1), torch.tensor([39, 25])
+    worst = apart = 0.0
+    for step in range(6):  # row 1 decodes from position 26 on, over the rest of its prompt's slots
+        got, want, f32 = (be.forward(ids, pos, idx).clone() for be in (native, ref, full))
+        worst, apart = max(worst, float((got - want).abs().max() / want.abs().max())), \
+            max(apart, float((f32 - want).abs().max() / want.abs().max()))
+        pos = (pos.gather(1, idx[:, None]) if step == 0 else pos) + 1
+        ids, idx = torch.randint(3, 160, (2, 1), generator=g), torch.zeros(2, dtype=torch.long)
+    assert worst <= 1e-4 < 5 * worst < apart
+    for mine, theirs in zip(native.caches[0::2] + native.caches[1::2], ref.cache.keys + ref.cache.values):
+        assert mine.dtype == theirs.dtype == torch.float16
+        near = torch.finfo(torch.float16).eps * theirs.float().abs() + 1e-4 * theirs.float().abs().max()
+        assert bool(((mine.float() - theirs.float()).abs() <= near).all())
+
+
 def test_longrope_switches_tables_per_call_as_the_pytorch_decoder(hf_checkpoint):
     """longrope: short frequencies until a call reaches original_max_position_embeddings (16), long ones from
     there, short again for a new prompt: the engine swaps its tables per call as Decoder.forward does."""
@@ -520,5 +552,5 @@ def test_int8_cache_calibrates_itself_and_is_a_quarter_of_float32(hf_checkpoint)
     assert 4 * size(a) == size(b)
     out = a.generate([list(range(3, 20))], max_new_tokens=6, eos_token_id=None)
     assert len(out.tokens[0]) == 6
-    with pytest.raises(KvedgeError, match="float32 or int8"):
+    with pytest.raises(KvedgeError, match="fp32, fp16 or int8"):
         NativeBackend(path, max_seq_len=MAX_SEQ, kv_dtype="fp8")

@@ -751,9 +751,10 @@ typedef struct {
     const float *attn_norm, *mlp_norm, *q_norm, *k_norm, *post_attn_norm, *post_mlp_norm;
     kv_linear qkv, o, up, down;
     int32_t window;           /* sliding window, 0: none */
-    void *k_cache, *v_cache;  /* [max_batch][hkv][max_seq][d] float32, or int8 with scales; written in place */
+    void *k_cache, *v_cache;  /* [max_batch][hkv][max_seq][d] float32, float16 (kv_model.kv_half), or int8 with
+                               * scales; written in place */
     /* an int8 cache's scales per KV head and channel [hkv][d], and their reciprocals (the write multiplies by
-     * them, as kvedge.models.attention does); NULL for a float32 cache */
+     * them, as kvedge.models.attention does); NULL for a float cache */
     const float *k_scale, *v_scale, *k_inv, *v_inv;
     const float *cos, *sin; /* this layer's RoPE tables [max_seq][rot_half]; NULL: no RoPE on this layer */
 } kv_layer;
@@ -761,6 +762,7 @@ typedef struct {
 typedef struct {
     int32_t vocab, hidden, n_layers, hq, hkv, d, inter, rot_half, glu, act, unit_offset, max_batch, max_seq;
     int32_t qk_norm_all; /* q/k norms over the whole projection (all heads), not per head */
+    int32_t kv_half;     /* 1: float caches hold float16, new k and v rounded to nearest even as they are written */
     float eps, attn_scale, attn_softcap, final_softcap, embed_scale; /* softcaps: 0 = none */
     float residual_scale, logits_divisor; /* sublayer outputs times residual_scale; logits / logits_divisor */
     const float *embed;                                              /* [vocab][hidden] */
@@ -789,9 +791,9 @@ static const kv_layout_entry kv_layout_table[] = {
     LAY(post_mlp_norm), LAY(qkv), LAY(o), LAY(up), LAY(down), LAY(window), LAY(k_cache), LAY(v_cache), LAY(k_scale),
     LAY(v_scale), LAY(k_inv), LAY(v_inv), LAY(cos), LAY(sin),
     KV_STRUCT(kv_model), MOD(vocab), MOD(hidden), MOD(n_layers), MOD(hq), MOD(hkv), MOD(d), MOD(inter),
-    MOD(rot_half), MOD(glu), MOD(act), MOD(unit_offset), MOD(max_batch), MOD(max_seq), MOD(qk_norm_all), MOD(eps),
-    MOD(attn_scale), MOD(attn_softcap), MOD(final_softcap), MOD(embed_scale), MOD(residual_scale),
-    MOD(logits_divisor), MOD(embed), MOD(final_norm), MOD(lm_head), MOD(layers)};
+    MOD(rot_half), MOD(glu), MOD(act), MOD(unit_offset), MOD(max_batch), MOD(max_seq), MOD(qk_norm_all),
+    MOD(kv_half), MOD(eps), MOD(attn_scale), MOD(attn_softcap), MOD(final_softcap), MOD(embed_scale),
+    MOD(residual_scale), MOD(logits_divisor), MOD(embed), MOD(final_norm), MOD(lm_head), MOD(layers)};
 #undef LIN
 #undef LAY
 #undef MOD
@@ -895,8 +897,13 @@ static void store_int8(int8_t *to, const float *x, const float *inv, int d) {
     }
 }
 
-/* An int8 cache's rows [lo, hi] of one (batch row, KV head), dequantized (int8 * scale, as the reference
- * attends them) into a thread's float rows indexed like the cache; kept across the attention items this
+/* Write d values of a new k or v row into a float16 cache (rounded to nearest even, as torch's .to(float16)) */
+static void store_half(_Float16 *to, const float *x, int d) {
+    for (int t = 0; t < d; t++) to[t] = (_Float16)x[t];
+}
+
+/* An int8 or float16 cache's rows [lo, hi] of one (batch row, KV head), as float32 (int8 * scale, as the
+ * reference attends them) in a thread's rows indexed like the cache; kept across the attention items this
  * thread takes and only extended, as items of one KV head come in rising positions. */
 typedef struct {
     int b, kh, lo, hi; /* b < 0: nothing held */
@@ -905,6 +912,17 @@ typedef struct {
 
 static void deq_rows(const kv_model *m, const kv_layer *ly, int b, int kh, int j0, int j1, kv_deq *q) {
     size_t d = m->d, base = ((size_t)b * m->hkv + kh) * m->max_seq * d;
+    if (!ly->k_scale) { /* float16 */
+        size_t e = (size_t)j0 * d, end = (size_t)(j1 + 1) * d;
+        const _Float16 *k16 = (const _Float16 *)ly->k_cache + base, *v16 = (const _Float16 *)ly->v_cache + base;
+#if KV_AVX2
+        for (; e + 8 <= end; e += 8) /* GCC leaves the _Float16 loop below scalar */
+            _mm256_storeu_ps(q->k + e, load_half8((const uint16_t *)k16 + e)),
+                _mm256_storeu_ps(q->v + e, load_half8((const uint16_t *)v16 + e));
+#endif
+        for (; e < end; e++) q->k[e] = (float)k16[e], q->v[e] = (float)v16[e];
+        return;
+    }
     const int8_t *k8 = (const int8_t *)ly->k_cache + base, *v8 = (const int8_t *)ly->v_cache + base;
     const float *ks = ly->k_scale + kh * d, *vs = ly->v_scale + kh * d;
     for (size_t j = j0; (int)j <= j1; j++)
@@ -1087,8 +1105,8 @@ static void scratch_layout(const kv_model *m, int B, int L, int threads, size_t 
                            sizeof(float) * M * a_n, 2 * copies * M * kmax,
                            sizeof(float) * 2 * copies * M * sub_stride(kmax),
                            sizeof(float) * 2 * copies * M * sub_stride(kmax), /* two planes a row (int16) */ sizeof(float) * threads * QB * m->max_seq,
-                           /* an int8 cache's dequantized K and V rows, per thread */
-                           m->layers[0].k_scale ? sizeof(float) * threads * 2 * m->max_seq * m->d : 0,
+                           /* an int8 or float16 cache's K and V rows as float32, per thread */
+                           m->layers[0].k_scale || m->kv_half ? sizeof(float) * threads * 2 * m->max_seq * m->d : 0,
                            /* decode's slices: per item and slice, QB queries' largest score, sum and output */
                            L == 1 ? sizeof(float) * B * m->hkv * ((m->hq / m->hkv + QB - 1) / QB) * threads * QB * (m->d + 2)
                                   : 0};
@@ -1145,7 +1163,7 @@ void kv_forward(const kv_model *m, int B, int L, const int64_t *ids, const int64
             int items = B * heads * per, nt = omp_get_num_threads();
             int parts = L == 1 ? decode_slices(m, li, B, pos, nt) : 1;
             kv_fetch more = {0}; /* decode: the cache rows this thread's units will read (unit u: thread u % nt) */
-            size_t esize = ly->k_scale ? 1 : sizeof(float); /* a cache element's bytes */
+            size_t esize = ly->k_scale ? 1 : m->kv_half ? 2 : sizeof(float); /* a cache element's bytes */
             for (int u = tid; L == 1 && u < items * parts; u += nt) {
                 int it = u / parts, b = it / (heads * per), kh = it / per % heads, p = (int)pos[b], lo, hi;
                 slice(first_slot(p, ly->window), p, u % parts, parts, &lo, &hi);
@@ -1183,6 +1201,9 @@ void kv_forward(const kv_model *m, int B, int L, const int64_t *ids, const int64
                         if (ly->k_scale) {
                             store_int8((int8_t *)ly->k_cache + slot, v, ly->k_inv + (size_t)kh * d, d);
                             store_int8((int8_t *)ly->v_cache + slot, v + (size_t)hkv * d, ly->v_inv + (size_t)kh * d, d);
+                        } else if (m->kv_half) {
+                            store_half((_Float16 *)ly->k_cache + slot, v, d);
+                            store_half((_Float16 *)ly->v_cache + slot, v + (size_t)hkv * d, d);
                         } else {
                             memcpy((float *)ly->k_cache + slot, v, sizeof(float) * d);
                             memcpy((float *)ly->v_cache + slot, v + (size_t)hkv * d, sizeof(float) * d);
@@ -1214,7 +1235,7 @@ void kv_forward(const kv_model *m, int B, int L, const int64_t *ids, const int64
                 }
                 size_t base = ((size_t)b * hkv + kh) * m->max_seq * d;
                 const float *kc = (const float *)ly->k_cache + base, *vc = (const float *)ly->v_cache + base;
-                if (ly->k_scale) { /* int8: the rows these queries see, dequantized */
+                if (ly->k_scale || m->kv_half) { /* int8 or float16: the rows these queries see, as float32 */
                     int lo = first_slot(ps[0], ly->window), hi = ps[nq - 1];
                     deq_need(m, ly, b, kh, lo > j0 ? lo : j0, hi < j1 ? hi : j1, &dq);
                     kc = dq.k, vc = dq.v;
