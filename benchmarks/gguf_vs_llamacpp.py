@@ -3,7 +3,8 @@ perplexity on the same token ids.
 
     python benchmarks/gguf_vs_llamacpp.py --gguf FILE --llamacpp-python PY [--repeat 5] [--threads 2]
                                           [--prompt 128] [--gen 128] [--export DIR] [--requantize Q4_0]
-                                          [--activations int8,int16] [--perplexity-tokens 2048]
+                                          [--activations int8,int16] [--native-kv fp32,fp16]
+                                          [--perplexity-tokens 2048]
 
 PY is a Python with llama-cpp-python installed (never a kvedge dependency: it compiles llama.cpp; install it
 in a venv of its own). Runtimes: llama.cpp (llama_cpp.Llama on the file), kvedge `native` (the file's weights
@@ -14,7 +15,8 @@ run by run, so a drift of the shared machine's speed falls on all of them alike.
 --repeat runs; ratios are against llama.cpp in the same run. docs/benchmarks.md keeps the dated results.
 
 --requantize TYPE first re-quantizes the file with llama.cpp's own quantizer (llama_model_quantize, requantizing
-allowed) and measures that file. --activations: the native engine's projection inputs, one row each.
+allowed) and measures that file. --activations: the native engine's projection inputs, one row each; --native-kv:
+its cache dtypes, one row each (fp32 by default; fp16 is llama.cpp's own default cache, f16).
 Perplexity: kvedge's built-in held-out text tokenized once by kvedge (the file's tokenizer), the same rows of
 ids fed to every runtime (llama.cpp with logits for every position), each token predicted from its row's
 previous ones; 0 tokens skips it.
@@ -36,7 +38,7 @@ KVEDGE_RUNNER = textwrap.dedent("""
     from kvedge.runtime import load
     path, backend, prompt_len, gen_len, threads = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:6])
     s = load(path, backend, max_batch=1, max_seq_len=prompt_len + gen_len + 8, threads=threads,
-             activations=sys.argv[6])
+             activations=sys.argv[6], kv_dtype=None if sys.argv[7] == "fp32" else sys.argv[7])
     prompt = list(range(3, 3 + prompt_len))
     s.generate(prompt, max_new_tokens=8, eos_token_id=None)  # warm-up
     r = s.generate(prompt, max_new_tokens=gen_len, eos_token_id=None)
@@ -92,10 +94,10 @@ KVEDGE_PERPLEXITY = textwrap.dedent("""
     import torch
     from kvedge.bench.eval import evaluate
     from kvedge.runtime import load
-    path, backend, rows_file, threads, acts = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5]
+    path, backend, rows_file, threads, acts, kv = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), *sys.argv[5:7]
     rows = torch.tensor(json.load(open(rows_file)))
     s = load(path, backend, max_batch=None if backend == "onnxruntime" else 4, max_seq_len=rows.shape[1] + 8,
-             threads=threads, activations=acts)  # an export's batch is its own
+             threads=threads, activations=acts, kv_dtype=None if kv == "fp32" else kv)  # an export's batch is its own
     rep = evaluate(s, rows, {"source": rows_file})
     print(json.dumps({"perplexity": rep.perplexity, "tokens": rep.predicted_tokens}))
 """)
@@ -131,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gen", type=int, default=128)
     p.add_argument("--requantize", metavar="TYPE", help="measure the file re-quantized by llama.cpp to TYPE (Q4_0, ...)")
     p.add_argument("--activations", default="int8,int16", help="native engine rows (default int8,int16)")
+    p.add_argument("--native-kv", default="fp32", help="native engine cache dtypes, fp32 and / or fp16 (default fp32)")
     p.add_argument("--perplexity-tokens", type=int, default=2048, help="held-out tokens for perplexity (0: none)")
     a = p.parse_args(argv)
     if not Path(a.gguf).is_file():
@@ -146,13 +149,13 @@ def main(argv: list[str] | None = None) -> int:
     (tmp / "kvedge_runner.py").write_text(KVEDGE_RUNNER)
     (tmp / "llamacpp_runner.py").write_text(LLAMACPP_RUNNER)
     sizes = [str(a.prompt), str(a.gen), str(a.threads)]
-    acts = a.activations.split(",")
+    acts = native_rows(a)
     cmds = {
         "llama.cpp": [a.llamacpp_python, str(tmp / "llamacpp_runner.py"), a.gguf, *sizes],
-        **{f"kvedge native {x}": [sys.executable, str(tmp / "kvedge_runner.py"), a.gguf, "native", *sizes, x]
-           for x in acts},
+        **{name: [sys.executable, str(tmp / "kvedge_runner.py"), a.gguf, "native", *sizes, *args]
+           for name, args in acts.items()},
         "kvedge onnxruntime": [sys.executable, str(tmp / "kvedge_runner.py"), str(export), "onnxruntime", *sizes,
-                               "int8"],
+                               "int8", "fp32"],
     }
     runs: dict[str, list[dict]] = {name: [] for name in cmds}
     for i in range(a.repeat):
@@ -175,7 +178,13 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def perplexities(a, tmp: Path, export: Path, acts: list[str]) -> dict:
+def native_rows(a) -> dict[str, list[str]]:
+    """The native engine's rows: name -> (activations, cache dtype), every pair of --activations and --native-kv."""
+    return {f"kvedge native {x}" + ("" if kv == "fp32" else f" {kv} cache"): [x, kv]
+            for x in a.activations.split(",") for kv in a.native_kv.split(",")}
+
+
+def perplexities(a, tmp: Path, export: Path, acts: dict[str, list[str]]) -> dict:
     """Perplexity of each runtime on the same held-out token rows (once: it is deterministic)."""
     import torch
 
@@ -189,10 +198,10 @@ def perplexities(a, tmp: Path, export: Path, acts: list[str]) -> dict:
     (tmp / "kvedge_ppl.py").write_text(KVEDGE_PERPLEXITY)
     threads, rf = str(a.threads), str(rows_file)
     cmds = {"llama.cpp": [a.llamacpp_python, str(tmp / "llamacpp_ppl.py"), a.gguf, rf, threads],
-            **{f"kvedge native {x}": [sys.executable, str(tmp / "kvedge_ppl.py"), a.gguf, "native", rf, threads, x]
-               for x in acts},
+            **{name: [sys.executable, str(tmp / "kvedge_ppl.py"), a.gguf, "native", rf, threads, *args]
+               for name, args in acts.items()},
             "kvedge onnxruntime": [sys.executable, str(tmp / "kvedge_ppl.py"), str(export), "onnxruntime", rf,
-                                   threads, "int8"]}
+                                   threads, "int8", "fp32"]}
     out = {}
     for name, cmd in cmds.items():
         out[name] = run(cmd)

@@ -2,6 +2,7 @@
 
     python benchmarks/serve_load.py [--backends native,onnxruntime] [--streams 1,2,4,8] [--rounds 3]
                                     [--prompt 32] [--gen 128] [--threads 2] [--gguf FILE] [--work DIR]
+                                    [--prefill-chunk N] [--native-kv fp16]
 
 Model: SmolLM2-135M's shape with random weights, int4: the native engine quantizes the checkpoint (symmetric
 groups of 32, the lm_head too) and the onnxruntime backend runs the same as an `ort` export (--quantize int4
@@ -55,6 +56,8 @@ def start_server(path: Path, backend: str, a) -> tuple[subprocess.Popen, int]:
            "--threads", str(a.threads), "--model-name", "bench", "--quiet"]
     if a.prefill_chunk:
         cmd += ["--prefill-chunk", str(a.prefill_chunk)]
+    if a.native_kv and backend == "native":
+        cmd += ["--kv-dtype", a.native_kv]
     proc = subprocess.Popen(cmd)
     deadline = time.monotonic() + 600
     while True:
@@ -173,6 +176,7 @@ def main() -> int:
     p.add_argument("--gen", type=int, default=128, help="tokens generated per request")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--prefill-chunk", type=int, help="kvedge serve --prefill-chunk (default: the server's)")
+    p.add_argument("--native-kv", choices=("fp16", "int8"), help="the native server's cache dtype (default float32)")
     p.add_argument("--gguf", help="a real GGUF file instead of the random-weight SmolLM2-135M shape")
     p.add_argument("--work", help="folder for the checkpoint and the export (default: a temp dir)")
     a = p.parse_args()
@@ -183,7 +187,8 @@ def main() -> int:
     prompts = prompts_for(src, max(a.streams), a.prompt)
     model = Path(a.gguf).name if a.gguf else "SmolLM2-135M shape (random weights), int4"
     print(f"{model}; prompt {a.prompt}, gen {a.gen}, greedy, EOS ignored; {a.threads} threads; "
-          f"--max-batch {max(a.streams)}; median of {a.rounds} rounds (tokens/s), percentiles over all rounds")
+          f"--max-batch {max(a.streams)}; native cache {a.native_kv or 'fp32'}; median of {a.rounds} rounds (tokens/s), "
+          f"percentiles over all rounds")
     for backend in a.backends:
         proc, port = start_server(paths[backend], backend, a)
         try:
