@@ -349,6 +349,24 @@ def test_the_cli_serves_on_loopback_by_default(monkeypatch, demo_export):
     assert (sched.backend.name, sched.backend.max_batch, sched.max_queue) == ("onnxruntime", 3, 16)
 
 
+def test_run_moves_what_is_loaded_out_of_the_collectors_reach(monkeypatch):
+    """kvedge.serve.run freezes the objects alive at start (gc.freeze) before uvicorn serves, so that a full
+    collection under load does not walk the model and its libraries (a pause every stream would wait through)."""
+    import gc
+
+    import uvicorn
+
+    import kvedge.serve
+
+    seen = []
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: seen.append(gc.get_freeze_count()))
+    try:
+        kvedge.serve.run(object())
+        assert seen and seen[0] > 10_000
+    finally:
+        gc.unfreeze()
+
+
 def test_without_the_serve_extra_the_error_names_it(monkeypatch, open_session):
     import sys
 
