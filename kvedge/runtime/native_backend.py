@@ -8,8 +8,8 @@ kvedge.models.quant (round to nearest) or taken as it is (a pre-quantized AWQ / 
 the engine reads those same MatMulNBits bytes in place (a GGUF file's blocks too). Projections compute with
 int8 activations per 32 input channels (ONNX Runtime's accuracy_level 4 scheme, and llama.cpp's), or int16
 ones (activations="int16": within float rounding of the torch model); norms, RoPE, attention and the cache
-are float32 (or a float16 cache, kv_dtype="fp16", or an int8 one, kv_dtype="int8"). Caches are torch tensors [max_batch, kv_heads,
-max_seq_len, head_dim], allocated once and written in place by the engine.
+are float32 (or a float16 cache, kv_dtype="fp16", or an int8 one, kv_dtype="int8"). Caches are torch tensors
+[max_batch, kv_heads, max_seq_len, head_dim], allocated once and written in place by the engine.
 
 Supported: RMSNorm decoders with rotary positions (llama, mistral, qwen2, qwen3, gemma, gemma2, gemma3, phi3,
 granite, olmo2, smollm3: layers without RoPE or with their own RoPE base, norms before and / or after each sublayer).
@@ -371,9 +371,8 @@ class NativeBackend(CacheList):
                        cfg.intermediate_size, cfg.rotary_dim // 2, int(cfg.mlp == "glu"), _ACTS[cfg.act],
                        int(cfg.norm_unit_offset), max_batch, max_seq_len,
                        int(cfg.qk_norm and cfg.qk_norm_scope == "all"), int(kv_dtype == "fp16"), cfg.norm_eps,
-                       cfg.attn_scale,
-                       cfg.attn_softcap or 0.0, cfg.final_softcap or 0.0, cfg.embed_scale, cfg.residual_scale,
-                       cfg.logits_divisor, keep(model.embed.weight.detach().float().contiguous()),
+                       cfg.attn_scale, cfg.attn_softcap or 0.0, cfg.final_softcap or 0.0, cfg.embed_scale,
+                       cfg.residual_scale, cfg.logits_divisor, keep(model.embed.weight.detach().float().contiguous()),
                        keep(model.norm.weight.detach().float().contiguous()),
                        pack_linear(self.dll, head, keep, activations), layers)
         self.logits = torch.empty((max_batch, 1, cfg.vocab_size))
