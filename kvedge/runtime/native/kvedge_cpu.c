@@ -436,7 +436,9 @@ static inline __attribute__((always_inline)) void qtile_w(const int aff, const i
     for (int sb = 0; sb < nsb; sb++, q += 4 * 32) {
         __m256i d[TILE_RM];
         for (int j = 0; j < rm; j++) d[j] = _mm256_setzero_si256();
-#pragma GCC unroll 4
+        /* two vectors at a time: unrolled by 4, GCC hoisted every vector's loads and unpacking ahead and spilled
+         * registers at 3 and 4 activation rows (by 2, those ran faster; 1 and 2 rows ran alike) */
+#pragma GCC unroll 2
         for (int v = 0; v < 4; v++) {
             __m256i b = _mm256_loadu_si256((const __m256i *)(q + 32 * v));
             __m256i lo = _mm256_and_si256(b, m), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), m);
