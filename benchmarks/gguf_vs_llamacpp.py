@@ -94,7 +94,8 @@ KVEDGE_PERPLEXITY = textwrap.dedent("""
     import torch
     from kvedge.bench.eval import evaluate
     from kvedge.runtime import load
-    path, backend, rows_file, threads, acts, kv = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), *sys.argv[5:7]
+    path, backend, rows_file, acts, kv = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[5], sys.argv[6]
+    threads = int(sys.argv[4])
     rows = torch.tensor(json.load(open(rows_file)))
     s = load(path, backend, max_batch=None if backend == "onnxruntime" else 4, max_seq_len=rows.shape[1] + 8,
              threads=threads, activations=acts, kv_dtype=None if kv == "fp32" else kv)  # an export's batch is its own

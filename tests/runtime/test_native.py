@@ -428,15 +428,20 @@ def test_long_ragged_decode_equals_torch(case, threads, batch, flags, lasts, sli
         torch.testing.assert_close(mine, ref, rtol=0, atol=1e-5 * float(ref.abs().max()))
 
 
+def _heads_of_64(path) -> Path:
+    """A checkpoint with SmolLM2's head shape: heads of 64 channels, 3 query heads per KV head."""
+    from tests.conftest import save_hf_model
+
+    save_hf_model(path, "llama", hidden_size=96, head_dim=64, num_attention_heads=6, num_key_value_heads=2)
+    return path
+
+
 @pytest.mark.parametrize("threads,flags,slices", [(2, FLAGS, (1, 1)), (3, SLICED, (3, 3))])
 def test_decode_with_heads_of_64_channels_equals_torch(threads, flags, slices, tmp_path):
     """Heads of 64 channels in groups of 3 query heads, SmolLM2's shape (the tests' other cases have at most 32
     channels: the engine sums V 64 channels at a time only when a head has a multiple of 64): prefill of two
     ragged rows, then decode, whole and in 3 slices, equals the PyTorch model to 1e-5 of the largest logit."""
-    from tests.conftest import save_hf_model
-
-    save_hf_model(tmp_path, "llama", hidden_size=96, head_dim=64, num_attention_heads=6, num_key_value_heads=2)
-    model = load_decoder(tmp_path, dtype="float32")
+    model = load_decoder(_heads_of_64(tmp_path), dtype="float32")
     native = NativeBackend(tmp_path, max_batch=2, max_seq_len=MAX_SEQ, threads=threads, model=model, flags=flags)
     cache = KVCache.allocate(model.cfg, 2, MAX_SEQ, dtype=torch.float32)
     _ragged_prefill_then_decode(model, native, cache, torch.Generator().manual_seed(3), 50, [49, 33], 5, slices)
@@ -451,10 +456,8 @@ def test_float16_cache_equals_the_torch_backends(build, tmp_path):
     or v computed in another order sat next to a rounding boundary, and 1e-4 of the largest: such a flip in one
     layer's cache moves the next layers' k and v)."""
     from kvedge.runtime.torch_backend import TorchBackend
-    from tests.conftest import save_hf_model
 
-    save_hf_model(tmp_path, "llama", hidden_size=96, head_dim=64, num_attention_heads=6, num_key_value_heads=2)
-    native = NativeBackend(tmp_path, max_batch=2, max_seq_len=MAX_SEQ, threads=2, quantize=None, kv_dtype="fp16",
+    native = NativeBackend(_heads_of_64(tmp_path), max_batch=2, max_seq_len=MAX_SEQ, threads=2, quantize=None, kv_dtype="fp16",
                            flags=BUILDS[build])
     ref, full = (TorchBackend(tmp_path, max_batch=2, max_seq_len=MAX_SEQ, dtype="fp32", kv_dtype=kv)
                  for kv in ("fp16", None))
