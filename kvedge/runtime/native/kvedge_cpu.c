@@ -963,11 +963,13 @@ static void attend(const kv_model *m, const float *const *q, int nq, const int *
     if (d % 8 == 0) { /* 2 keys x the queries at a time, in 2 QB accumulators (4 keys' 4 QB spilled registers) */
         __m128 mxv[QB];
         for (int i = 0; i < QB; i++) mxv[i] = _mm_set1_ps(-INFINITY);
-        for (; j + 2 <= hi + 1; j += 2) {
+        for (; j <= hi; j += 2) { /* a last odd key pairs with itself: a key's score never depends on its partner, so
+                                   * on where a chunk starts or ends (a row alone or padded among others) */
+            const float *k1p = kc + (size_t)(j + 1 <= hi ? j + 1 : j) * d;
             __m256 acc[QB][2];
             for (int i = 0; i < QB; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
             for (int t = 0; t < d; t += 8) {
-                __m256 k0 = _mm256_loadu_ps(kc + (size_t)j * d + t), k1 = _mm256_loadu_ps(kc + (size_t)(j + 1) * d + t);
+                __m256 k0 = _mm256_loadu_ps(kc + (size_t)j * d + t), k1 = _mm256_loadu_ps(k1p + t);
 #pragma GCC unroll 4
                 for (int i = 0; i < QB; i++) {
                     if (i >= nq) break;
