@@ -374,6 +374,36 @@ def test_odd_thread_counts_and_wide_batches_split_the_work_correctly(hf_checkpoi
     assert a.tokens == b.tokens
 
 
+def test_the_engine_on_another_thread_computes_as_on_the_main_one(hf_checkpoint):
+    """kvedge serve runs the engine on its scheduler thread while the main thread keeps the OpenMP team torch made
+    there; the engine's team then synchronizes with its own barrier (kvedge_cpu.c: sync_team, not libgomp's, which
+    sleeps in the kernel at once when a process's OpenMP threads outnumber the cores). A prefill of two rows and
+    decode steps give the same logits, bitwise, on a worker thread as on the main one, on 2 and 3 threads."""
+    import threading
+
+    path, _ = hf_checkpoint("qwen2-bias")
+    torch.ones(1 << 20).sum()  # torch's own team on the main thread
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(3, 160, (2, 9), generator=g)
+    steps = [(ids, torch.arange(9).expand(2, -1).contiguous(), torch.tensor([8, 5]))]
+    steps += [(torch.randint(3, 160, (2, 1), generator=g), torch.tensor([[9 + i], [6 + i]]),
+               torch.zeros(2, dtype=torch.long)) for i in range(3)]
+    for threads in (2, 3):
+        native = NativeBackend(path, max_batch=2, max_seq_len=MAX_SEQ, threads=threads, quantize="int4")
+
+        def run(out):
+            native.reset()
+            out += [native.forward(*step).clone() for step in steps]
+
+        on_main, on_worker = [], []
+        run(on_main)
+        worker = threading.Thread(target=run, args=(on_worker,))
+        worker.start()
+        worker.join()
+        assert len(on_worker) == len(steps)
+        assert all(torch.equal(a, b) for a, b in zip(on_worker, on_main))
+
+
 def decode_slices(native, pos: torch.Tensor) -> tuple[int, ...]:
     """Per layer, the slices the engine's decode cuts each attention item in for rows at positions pos [B, 1] on
     its threads: kv_decode_slices, the count kv_forward itself takes (1: the item whole, no merge). It is asked

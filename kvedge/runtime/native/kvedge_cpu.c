@@ -33,6 +33,8 @@
 #include <stdlib.h>
 #include <string.h>
 #include <omp.h>
+#include <sched.h>
+#include <stdatomic.h>
 /* The vector paths take AVX2 with FMA and F16C (every AVX2 CPU has both; -march=native turns them on) */
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define KV_AVX2 1
@@ -596,6 +598,43 @@ static inline void span(int rep, int n, int *r0, int *r1) {
     *r0 = (int)((long)n * t / nt), *r1 = (int)((long)n * (t + 1) / nt);
 }
 
+/* The team's barrier. libgomp's own spins only about a thousand times before it sleeps in the kernel once the
+ * process's OpenMP threads outnumber the cores, and they do as soon as a second thread runs a team beside the
+ * main thread's idle one (a server's scheduler thread, after torch ran on the main thread): every barrier of a
+ * step then costs a sleep and a wake-up, and a step took twice as long (docs/benchmarks.md). This one spins
+ * (pause), then yields the core while it waits. Arrivals count up; the last to arrive resets the count and moves
+ * the phase on, which releases the others. team_barrier: the current parallel region's, set by each thread. */
+typedef struct {
+    atomic_int arrived, phase;
+} kv_barrier;
+static _Thread_local kv_barrier *team_barrier;
+#ifndef SPINS_BEFORE_YIELD
+#define SPINS_BEFORE_YIELD (1 << 12)
+#endif
+
+static inline void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
+}
+
+static void sync_team(void) {
+    int n = omp_get_num_threads();
+    if (n == 1) return;
+    kv_barrier *b = team_barrier;
+    int phase = atomic_load_explicit(&b->phase, memory_order_relaxed); /* read before arriving: it cannot move on */
+    if (atomic_fetch_add_explicit(&b->arrived, 1, memory_order_acq_rel) == n - 1) {
+        atomic_store_explicit(&b->arrived, 0, memory_order_relaxed);
+        atomic_store_explicit(&b->phase, phase + 1, memory_order_release);
+        return;
+    }
+    for (long spins = 0; atomic_load_explicit(&b->phase, memory_order_acquire) == phase; spins++)
+        if (spins < SPINS_BEFORE_YIELD) cpu_relax();
+        else sched_yield();
+}
+
 /* prefetch `bytes` from p on */
 static inline void fetch_span(const void *p, size_t bytes) {
     for (size_t o = 0; o < bytes; o += 64) PREFETCH_L2((const char *)p + o);
@@ -679,9 +718,7 @@ static void linear_rows(const kv_linear *l, int m, const float *x, float *y, int
         else
             quantize_row(xr, l->k, l->bits, xq + (size_t)r * l->k, sa + (size_t)r * st, c + (size_t)r * st);
     }
-    if (!rep) { /* every row's input (and its quantization) is complete before any tile reads it */
-#pragma omp barrier
-    }
+    if (!rep) sync_team(); /* every row's input (and its quantization) is complete before any tile reads it */
     const int u = unit(l);
     for (int n0 = n_start; n0 < n_end; n0 += u) {
         int rows = l->n - n0 < u ? l->n - n0 : u;
@@ -730,7 +767,7 @@ static void linear_rows(const kv_linear *l, int m, const float *x, float *y, int
         }
     }
     if (next) fetch_head(next);
-#pragma omp barrier
+    sync_team();
 }
 
 /* y = x W^T for m rows, on `threads` threads: the entry point the tests and benchmarks call */
@@ -739,8 +776,12 @@ int kv_linear_forward(const kv_linear *l, int m, const float *x, float *y, int t
     int8_t *xq = malloc((size_t)2 * m * l->k);
     float *sa = malloc(sizeof(float) * 2 * (size_t)m * st), *c = malloc(sizeof(float) * 2 * (size_t)m * st);
     if (!xq || !sa || !c) return -1;
+    kv_barrier bar = {0, 0};
 #pragma omp parallel num_threads(threads)
-    linear_rows(l, m, x, y, xq, sa, c, 0, NULL, NULL);
+    {
+        team_barrier = &bar;
+        linear_rows(l, m, x, y, xq, sa, c, 0, NULL, NULL);
+    }
     free(xq), free(sa), free(c);
     return 0;
 }
@@ -1142,8 +1183,10 @@ void kv_forward(const kv_model *m, int B, int L, const int64_t *ids, const int64
     float *c = (float *)(base + at[S_C]), *scores = (float *)(base + at[S_SCORES]), *deq = (float *)(base + at[S_DEQ]);
     float *part = (float *)(base + at[S_PART]);
     int8_t *xq = (int8_t *)(base + at[S_XQ]);
+    kv_barrier bar = {0, 0};
 #pragma omp parallel num_threads(threads)
     {
+        team_barrier = &bar;
         int tid = omp_get_thread_num(), me = rep ? tid : 0, r0, r1;
         float *sc = scores + (size_t)tid * QB * m->max_seq;
         kv_deq dq = {-1, 0, 0, 0, deq + (size_t)tid * 2 * m->max_seq * d, deq + ((size_t)tid * 2 + 1) * m->max_seq * d};
@@ -1181,15 +1224,16 @@ void kv_forward(const kv_model *m, int B, int L, const int64_t *ids, const int64
             dq.b = -1; /* a new layer's cache */
             linear_rows(&ly->qkv, M, hs, t, qs8, sas, cs, rep, &ly->o, L == 1 ? &more : NULL);
             if (m->qk_norm_all) { /* q/k norms over all heads of a row's projection at once */
-#pragma omp for schedule(static)
+#pragma omp for schedule(static) nowait
                 for (int r = 0; r < M; r++) {
                     float *v = t + (size_t)r * qkv_n;
                     rmsnorm(v, ly->q_norm, hq * d, m->eps, m->unit_offset, v);
                     rmsnorm(v + (size_t)hq * d, ly->k_norm, hkv * d, m->eps, m->unit_offset, v + (size_t)hq * d);
                 }
+                sync_team();
             }
             /* q/k norm, rotation, cache write: one (row, head) at a time */
-#pragma omp for schedule(static) collapse(2)
+#pragma omp for schedule(static) collapse(2) nowait
             for (int r = 0; r < M; r++)
                 for (int hh = 0; hh < hq + hkv; hh++) {
                     int b = r / L;
@@ -1214,7 +1258,8 @@ void kv_forward(const kv_model *m, int B, int L, const int64_t *ids, const int64
                         }
                     }
                 }
-#pragma omp for schedule(static, 1)
+            sync_team();
+#pragma omp for schedule(static, 1) nowait
             for (int u = 0; u < items * parts; u++) {
                 int it = u / parts, b = it / (heads * per), hh = it / per % heads, blk = it % per;
                 int nq = L > 1 ? (L - blk * QB < QB ? L - blk * QB : QB) : (g - blk * QB < QB ? g - blk * QB : QB);
@@ -1246,8 +1291,9 @@ void kv_forward(const kv_model *m, int B, int L, const int64_t *ids, const int64
                 }
                 attend(m, qp, nq, ps, ly->window, kc, vc, sc, outs, j0, j1, ml);
             }
+            sync_team();
             if (parts > 1) { /* each query's slices merged: shares weighted e^(their largest - the largest) */
-#pragma omp for schedule(static)
+#pragma omp for schedule(static) nowait
                 for (int x = 0; x < items * QB; x++) {
                     int it = x / QB, i = x % QB, b = it / (heads * per), hh = it / per % heads, blk = it % per;
                     if (blk * QB + i >= g) continue; /* an absent query of the last block */
@@ -1267,6 +1313,7 @@ void kv_forward(const kv_model *m, int B, int L, const int64_t *ids, const int64
                     }
                     for (int e = 0; e < d; e++) o[e] /= sum;
                 }
+                sync_team();
             }
             linear_rows(&ly->o, M, a, t2, qs8, sas, cs, rep, &ly->up, NULL);
             for (int r = r0; r < r1; r++) { /* x += o (post-normed into h first: t2 stays read-only here) */
@@ -1279,10 +1326,11 @@ void kv_forward(const kv_model *m, int B, int L, const int64_t *ids, const int64
             }
             linear_rows(&ly->up, M, hs, t, qs8, sas, cs, rep, &ly->down, NULL);
             int I = m->inter, chunks = (I + 7) / 8;
-#pragma omp for schedule(static) collapse(2)
+#pragma omp for schedule(static) collapse(2) nowait
             for (int r = 0; r < M; r++)
                 for (int ch = 0; ch < chunks; ch++)
                     act_chunk(m, t + (size_t)r * up_n, a + (size_t)r * I, ch * 8, ch * 8 + 8 < I ? ch * 8 + 8 : I);
+            sync_team();
             linear_rows(&ly->down, M, a, t2, qs8, sas, cs, rep,
                         li + 1 < m->n_layers ? &m->layers[li + 1].qkv : &m->lm_head, NULL);
             for (int r = r0; r < r1; r++) {
@@ -1292,22 +1340,22 @@ void kv_forward(const kv_model *m, int B, int L, const int64_t *ids, const int64
                 for (int i = 0; i < H; i++) xr[i] += o[i] * m->residual_scale;
             }
         }
-        if (!rep) { /* the final norm splits by batch row: other threads' token rows */
-#pragma omp barrier
-        }
+        if (!rep) sync_team(); /* the final norm splits by batch row: other threads' token rows */
         int b0, b1;
         span(rep, B, &b0, &b1);
         for (int b = b0; b < b1; b++)
             rmsnorm(xs + ((size_t)b * L + logit_index[b]) * H, m->final_norm, H, m->eps, m->unit_offset, hs + (size_t)b * H);
         linear_rows(&m->lm_head, B, hs, logits, qs8, sas, cs, rep, NULL, NULL);
         if (m->logits_divisor != 1.f) {
-#pragma omp for schedule(static)
+#pragma omp for schedule(static) nowait
             for (size_t i = 0; i < (size_t)B * m->vocab; i++) logits[i] /= m->logits_divisor;
+            sync_team();
         }
         if (m->final_softcap > 0.f) {
-#pragma omp for schedule(static)
+#pragma omp for schedule(static) nowait
             for (size_t i = 0; i < (size_t)B * m->vocab; i++)
                 logits[i] = tanhf(logits[i] / m->final_softcap) * m->final_softcap;
+            sync_team();
         }
     }
 }
