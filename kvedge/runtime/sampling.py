@@ -59,13 +59,20 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
     return logits
 
 
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """logits [B, V] -> each row's largest, its first index on a tie (and a NaN's, as torch.argmax), as int64 [B].
+    NumPy's argmax over a row of a vocabulary is several times faster than torch's on the CPU, a tenth of a
+    millisecond a step for a batch of 8 rows of 49152 (docs/benchmarks.md)."""
+    return torch.from_numpy(logits.float().cpu().numpy().argmax(-1).astype("int64"))
+
+
 def next_tokens(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
                 seen: torch.Tensor | None = None) -> torch.Tensor:
     """logits [B, V] float -> tokens [B] int64."""
     if params.repetition_penalty != 1.0 and seen is not None:
         logits = apply_repetition_penalty(logits, seen, params.repetition_penalty)
     if params.greedy:
-        return logits.argmax(-1)
+        return greedy_tokens(logits)
     logits = filter_logits(logits / params.temperature, params.top_k, params.top_p)
     probs = torch.softmax(logits, dim=-1)
     return torch.multinomial(probs, 1, generator=generator)[:, 0]

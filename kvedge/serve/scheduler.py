@@ -33,7 +33,7 @@ import torch
 
 from kvedge.errors import KvedgeError
 from kvedge.runtime.backend import Backend
-from kvedge.runtime.sampling import SamplingParams, TokenSampler
+from kvedge.runtime.sampling import SamplingParams, TokenSampler, greedy_tokens
 from kvedge.runtime.session import check_ids
 from kvedge.runtime.tokenizer import Output, Tokenizer
 
@@ -242,7 +242,7 @@ class Scheduler:
                 pos[r] = job.filled
         logits = self.backend.forward(torch.tensor(ids)[:, None], torch.tensor(pos)[:, None],
                                       torch.zeros(hi - lo, dtype=torch.long), first_row=lo)[:, 0]
-        best = logits.argmax(-1).tolist() if any(j.sample.argmax for j in jobs) else None  # plain greedy rows' tokens
+        best = greedy_tokens(logits).tolist() if any(j.sample.argmax for j in jobs) else None  # greedy rows' tokens
         for job in jobs:
             r = job.row - lo
             self._add(job, best[r] if job.sample.argmax else int(job.sample(logits[r:r + 1])[0]))

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvedge.errors import KvedgeError
-from kvedge.runtime.sampling import SamplingParams, apply_repetition_penalty, filter_logits, next_tokens
+from kvedge.runtime.sampling import SamplingParams, apply_repetition_penalty, filter_logits, greedy_tokens, next_tokens
 
 LOGITS = torch.tensor([[2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0]])
 
@@ -80,3 +80,13 @@ def test_temperature_sharpens_and_zero_is_greedy():
 def test_bad_sampling_params(kw, msg):
     with pytest.raises(KvedgeError, match=msg):
         SamplingParams(**kw)
+
+
+def test_greedy_tokens_are_torch_argmax_ties_and_nans_included():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randint(-3, 4, (64, 50), generator=g).float()  # integers: many rows with tied largest values
+    logits[5, [7, 30]] = float("nan")
+    logits[9] = float("-inf")
+    for x in (logits, logits.half(), logits.bfloat16()):
+        got = greedy_tokens(x)
+        assert got.dtype == torch.int64 and torch.equal(got, x.float().argmax(-1))
