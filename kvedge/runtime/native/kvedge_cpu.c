@@ -601,7 +601,7 @@ static inline void span(int rep, int n, int *r0, int *r1) {
 /* The team's barrier. libgomp's own spins only about a thousand times before it sleeps in the kernel once the
  * process's OpenMP threads outnumber the cores, and they do as soon as a second thread runs a team beside the
  * main thread's idle one (a server's scheduler thread, after torch ran on the main thread): every barrier of a
- * step then costs a sleep and a wake-up, and a step took twice as long (docs/benchmarks.md). This one spins
+ * step then costs a sleep and a wake-up, and a step takes far longer (docs/benchmarks.md). This one spins
  * (pause), then yields the core while it waits. Arrivals count up; the last to arrive resets the count and moves
  * the phase on, which releases the others. team_barrier: the current parallel region's, set by each thread. */
 typedef struct {
