@@ -3,10 +3,13 @@
 Continuous batching over the backend's cache rows (its max_batch):
 - Admission: at each step boundary, waiting requests take free rows, oldest first. At most `max_queue`
   requests wait; past that, `submit` raises QueueFull at once (the server's 429).
-- Prefill: a row's prompt runs on that row alone (Backend.forward's first_row), in chunks cut at fixed
-  offsets 0, C, 2C, ... (C = chunk_size). A step runs chunks of the oldest prefilling requests, at least
-  one and at most C tokens in all, then one decode step, so rows already decoding keep getting a token
-  per step while a long prompt goes in.
+- Prefill: a prompt goes in in chunks cut at fixed offsets 0, C, 2C, ... (C = chunk_size). A step runs chunks
+  of the oldest prefilling requests, at least one and at most C tokens in all, then one decode step, so rows
+  already decoding keep getting a token per step while a long prompt goes in. The step's chunks on consecutive
+  rows run as one forward over those rows (Backend.forward's first_row), each right-padded to the longest,
+  while padding takes at most a fifth of the forward's slots and the forward at most C; others run on their row
+  alone. A burst of new requests then reads the weights once and gets its first tokens at one step. A row's
+  padding lands past its chunk, where its own next chunk or token overwrites it before anything reads it.
 - Decode: one forward over the cache rows lo..hi spanning every decoding row. A row in that span that is
   not decoding gets a padding token at its next free slot (a free row: at slot 0); it lands past the
   row's last token, where nothing reads it before that row's own next chunk or token overwrites it.
@@ -14,8 +17,9 @@ Continuous batching over the backend's cache rows (its max_batch):
   cancelled (its client went away); the next waiting request takes it at the next step boundary.
 
 Batching does not change results: a request's chunks are the same whatever else runs, a backend computes a
-row from that row's inputs and cache only, and each request samples with its own generator (tests/serve
-check the tokens alone and among others against a plain Session).
+row from that row's inputs and cache only (tests/serve/test_rows: bitwise on onnxruntime and native, padded
+or not), and each request samples with its own generator (tests/serve check the tokens alone and among others
+against a plain Session).
 """
 
 from __future__ import annotations
@@ -202,14 +206,16 @@ class Scheduler:
             if job is not None and job.cancelled:
                 self._end(job, "cancelled")
         self.admit()
-        used = 0
+        chunks, used = [], 0
         for job in sorted((j for j in self.rows if j is not None and j.filled < len(j.prompt)),
                           key=lambda j: j.order):
             n = min(self.chunk_size, len(job.prompt) - job.filled)
             if used and used + n > self.chunk_size:
                 break
             used += n
-            self._guard([job], self._prefill_chunk, job, n)
+            chunks.append((job, n))
+        for group in self._forwards(chunks):
+            self._guard([job for job, _ in group], self._prefill, group)
         decoding = [j for j in self.rows if j is not None and j.filled == len(j.prompt) and j.out.tokens]
         if decoding:
             self._guard(decoding, self._decode, decoding)
@@ -222,13 +228,36 @@ class Scheduler:
                 if job.finish is None:
                     self._end(job, "error", f"{type(e).__name__}: {e}")
 
-    def _prefill_chunk(self, job: Job, n: int) -> None:
-        s = job.filled
-        ids = torch.tensor([job.prompt[s:s + n]])
-        logits = self.backend.forward(ids, torch.arange(s, s + n)[None], torch.tensor([n - 1]), first_row=job.row)
-        job.filled += n
-        if job.filled == len(job.prompt):
-            self._add(job, int(job.sample(logits[:, 0])[0]))
+    def _forwards(self, chunks: list[tuple[Job, int]]) -> list[list[tuple[Job, int]]]:
+        """A step's prefill chunks (job, tokens) as forwards, oldest first: runs of consecutive rows, each chunk
+        padded to the run's longest, joined while padding takes at most a fifth of the run's slots, the run at most
+        chunk_size slots, and every padded position lies within the cache."""
+        runs: list[list[tuple[Job, int]]] = []
+        for job, n in sorted(chunks, key=lambda c: c[0].row):
+            run = runs[-1] if runs and runs[-1][-1][0].row + 1 == job.row else None
+            if run is not None:
+                joined = [*run, (job, n)]
+                longest, tokens = max(m for _, m in joined), sum(m for _, m in joined)
+                if (len(joined) * longest <= min(self.chunk_size, tokens * 5 // 4)
+                        and all(j.filled + longest <= self.max_seq_len for j, _ in joined)):
+                    run.append((job, n))
+                    continue
+            runs.append([(job, n)])
+        return sorted(runs, key=lambda run: min(job.order for job, _ in run))
+
+    def _prefill(self, run: list[tuple[Job, int]]) -> None:
+        """One forward over the chunks of consecutive rows, right-padded to the longest; a job whose prompt is then
+        all in gets its first token."""
+        longest = max(n for _, n in run)
+        ids, pos = torch.zeros(len(run), longest, dtype=torch.long), torch.empty(len(run), longest, dtype=torch.long)
+        for r, (job, n) in enumerate(run):
+            ids[r, :n] = torch.tensor(job.prompt[job.filled:job.filled + n])
+            pos[r] = torch.arange(job.filled, job.filled + longest)
+        logits = self.backend.forward(ids, pos, torch.tensor([n - 1 for _, n in run]), first_row=run[0][0].row)
+        for r, (job, n) in enumerate(run):
+            job.filled += n
+            if job.filled == len(job.prompt):
+                self._add(job, int(job.sample(logits[r:r + 1, 0])[0]))
 
     def _decode(self, jobs: list[Job]) -> None:
         lo, hi = min(j.row for j in jobs), max(j.row for j in jobs) + 1

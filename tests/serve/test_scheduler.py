@@ -142,3 +142,25 @@ def test_a_failing_request_ends_with_an_error_and_the_others_go_on(open_session)
     alone = open_session("native", 1)
     for job in (jobs[0], jobs[2]):
         assert job.out.tokens == alone.generate([job.prompt], max_new_tokens=6, eos_token_id=None).tokens[0]
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_a_burst_prefills_its_consecutive_rows_together_and_each_equals_alone(name, open_session):
+    """Five requests at once on five free rows, prompts of 12, 12, 10, 4 and 20 tokens (chunks of up to 64): rows
+    0-2 go in as one forward padded to 12 (36 slots for 34 tokens), row 3's 4 tokens would pad that forward past a
+    fifth and row 4's 20 would pad row 3's, so each runs alone; then one decode step over all five. Each request's
+    tokens equal the same request on a plain Session (batch 1)."""
+    session = open_session(name, 5, max_seq_len=64)
+    logged = Proxy(session.backend)
+    sched = Scheduler(logged, session.tokenizer, max_queue=0, chunk_size=64)
+    g = torch.Generator().manual_seed(4)
+    ps = [[0] + torch.randint(3, 259, (k - 1,), generator=g).tolist() for k in (12, 12, 10, 4, 20)]
+    sampling = [SamplingParams(), SamplingParams(temperature=0.9, seed=5), SamplingParams(), SamplingParams(),
+                SamplingParams(top_k=10, temperature=1.0, seed=1)]
+    jobs = [Job(p, 6, s) for p, s in zip(ps, sampling)]
+    run_until_done(sched, jobs, [0] * 5)
+    assert logged.calls[:4] == [((3, 12), 0), ((1, 4), 3), ((1, 20), 4), ((5, 1), 0)]
+    reference = open_session(name, 1, max_seq_len=64)
+    for job, s in zip(jobs, sampling):
+        assert job.out.tokens == reference.generate([job.prompt], max_new_tokens=6, sampling=s,
+                                                    eos_token_id=None).tokens[0]
