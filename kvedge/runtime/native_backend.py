@@ -377,6 +377,7 @@ class NativeBackend(CacheList):
                        pack_linear(self.dll, head, keep, activations), layers)
         self.logits = torch.empty((max_batch, 1, cfg.vocab_size))
         self.scratch = torch.empty(0, dtype=torch.uint8)  # the engine's work buffers, grown to the largest chunk
+        self._need: dict[tuple[int, int], int] = {}
 
     def weights_bytes(self) -> int:
         """Bytes of everything the engine reads besides the caches (weights, scales, norms, RoPE tables)."""
@@ -397,15 +398,21 @@ class NativeBackend(CacheList):
         check_rows(self, first_row, b)
         if first_row != self._first_row:
             self._point_at(first_row)
-        ids, pos, idx = (t.to(torch.int64).contiguous() for t in (input_ids, position_ids, logits_index))
-        lo, hi = (int(v) for v in torch.aminmax(pos))  # the engine writes the cache at these: check them
+        # no torch op on the usual path (int64, contiguous): each releases the GIL, and in a server the event loop,
+        # waiting for it, would then run its turn before the engine starts instead of while it runs
+        ids, pos, idx = (t if t.dtype == torch.int64 and t.is_contiguous() else t.to(torch.int64).contiguous()
+                         for t in (input_ids, position_ids, logits_index))
+        p = pos.numpy()
+        lo, hi = int(p.min()), int(p.max())  # the engine writes the cache at these: check them
         if lo < 0 or hi >= self.max_seq_len:
             raise KvedgeError(f"positions {lo}..{hi} are outside the cache [0, {self.max_seq_len})")
         if self._switch is not None and (hi >= self._switch) != self._long:  # longrope: this call's set, as
             self._long = not self._long                                      # Decoder.forward picks it
             for ly in self._global:
                 ly.cos, ly.sin = self._tables["long" if self._long else "global"]
-        need = self.dll.kv_scratch_bytes(ctypes.byref(self.m), b, length, self.threads)
+        need = self._need.get((b, length))
+        if need is None:
+            need = self._need[b, length] = self.dll.kv_scratch_bytes(ctypes.byref(self.m), b, length, self.threads)
         if need > self.scratch.numel():
             self.scratch = torch.empty(need, dtype=torch.uint8)
         self.dll.kv_forward(ctypes.byref(self.m), b, length, ids.data_ptr(), pos.data_ptr(), idx.data_ptr(),
