@@ -33,8 +33,14 @@
 #include <stdlib.h>
 #include <string.h>
 #include <omp.h>
+#include <limits.h>
 #include <sched.h>
 #include <stdatomic.h>
+#ifdef __linux__
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 /* The vector paths take AVX2 with FMA and F16C (every AVX2 CPU has both; -march=native turns them on) */
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define KV_AVX2 1
@@ -602,14 +608,15 @@ static inline void span(int rep, int n, int *r0, int *r1) {
  * process's OpenMP threads outnumber the cores, and they do as soon as a second thread runs a team beside the
  * main thread's idle one (a server's scheduler thread, after torch ran on the main thread): every barrier of a
  * step then costs a sleep and a wake-up, and a step takes far longer (docs/benchmarks.md). This one spins
- * (pause), then yields the core while it waits. Arrivals count up; the last to arrive resets the count and moves
- * the phase on, which releases the others. team_barrier: the current parallel region's, set by each thread. */
+ * (pause) for a while first, then sleeps on a futex (Linux; elsewhere it yields the core), so that a team larger
+ * than the cores does not spin on the core a late member needs. Arrivals count up; the last to arrive resets
+ * the count, moves the phase on and wakes the sleepers. team_barrier: the current parallel region's. */
 typedef struct {
-    atomic_int arrived, phase;
+    atomic_int arrived, phase, sleepers;
 } kv_barrier;
 static _Thread_local kv_barrier *team_barrier;
-#ifndef SPINS_BEFORE_YIELD
-#define SPINS_BEFORE_YIELD (1 << 12)
+#ifndef SPINS_BEFORE_SLEEP
+#define SPINS_BEFORE_SLEEP 512
 #endif
 
 static inline void cpu_relax(void) {
@@ -620,19 +627,42 @@ static inline void cpu_relax(void) {
 #endif
 }
 
+/* sleep while *phase == seen (the kernel checks it atomically), and wake every sleeper */
+static void phase_sleep(atomic_int *phase, int seen) {
+#ifdef __linux__
+    syscall(SYS_futex, (int *)phase, FUTEX_WAIT_PRIVATE, seen, NULL, NULL, 0);
+#else
+    (void)phase, (void)seen;
+    sched_yield();
+#endif
+}
+
+static void phase_wake(atomic_int *phase) {
+#ifdef __linux__
+    syscall(SYS_futex, (int *)phase, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0);
+#else
+    (void)phase;
+#endif
+}
+
 static void sync_team(void) {
     int n = omp_get_num_threads();
     if (n == 1) return;
     kv_barrier *b = team_barrier;
     int phase = atomic_load_explicit(&b->phase, memory_order_relaxed); /* read before arriving: it cannot move on */
-    if (atomic_fetch_add_explicit(&b->arrived, 1, memory_order_acq_rel) == n - 1) {
+    if (atomic_fetch_add(&b->arrived, 1) == n - 1) {
         atomic_store_explicit(&b->arrived, 0, memory_order_relaxed);
-        atomic_store_explicit(&b->phase, phase + 1, memory_order_release);
+        atomic_store(&b->phase, phase + 1);
+        if (atomic_load(&b->sleepers)) phase_wake(&b->phase); /* a sleeper counted after this load sees the phase */
         return;
     }
-    for (long spins = 0; atomic_load_explicit(&b->phase, memory_order_acquire) == phase; spins++)
-        if (spins < SPINS_BEFORE_YIELD) cpu_relax();
-        else sched_yield();
+    for (int spins = 0; spins < SPINS_BEFORE_SLEEP; spins++) {
+        if (atomic_load_explicit(&b->phase, memory_order_acquire) != phase) return;
+        cpu_relax();
+    }
+    atomic_fetch_add(&b->sleepers, 1);
+    while (atomic_load(&b->phase) == phase) phase_sleep(&b->phase, phase);
+    atomic_fetch_sub(&b->sleepers, 1);
 }
 
 /* prefetch `bytes` from p on */
@@ -776,7 +806,7 @@ int kv_linear_forward(const kv_linear *l, int m, const float *x, float *y, int t
     int8_t *xq = malloc((size_t)2 * m * l->k);
     float *sa = malloc(sizeof(float) * 2 * (size_t)m * st), *c = malloc(sizeof(float) * 2 * (size_t)m * st);
     if (!xq || !sa || !c) return -1;
-    kv_barrier bar = {0, 0};
+    kv_barrier bar = {0, 0, 0};
 #pragma omp parallel num_threads(threads)
     {
         team_barrier = &bar;
@@ -1183,7 +1213,7 @@ void kv_forward(const kv_model *m, int B, int L, const int64_t *ids, const int64
     float *c = (float *)(base + at[S_C]), *scores = (float *)(base + at[S_SCORES]), *deq = (float *)(base + at[S_DEQ]);
     float *part = (float *)(base + at[S_PART]);
     int8_t *xq = (int8_t *)(base + at[S_XQ]);
-    kv_barrier bar = {0, 0};
+    kv_barrier bar = {0, 0, 0};
 #pragma omp parallel num_threads(threads)
     {
         team_barrier = &bar;
