@@ -62,7 +62,7 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     """logits [B, V] -> each row's largest, its first index on a tie (and a NaN's, as torch.argmax), as int64 [B].
     NumPy's argmax over a vocabulary's row is several times faster than torch's on the CPU (docs/benchmarks.md)."""
-    return torch.from_numpy(logits.float().cpu().numpy().argmax(-1).astype("int64"))
+    return torch.from_numpy(logits.detach().float().cpu().numpy().argmax(-1).astype("int64"))
 
 
 def next_tokens(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,

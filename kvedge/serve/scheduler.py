@@ -214,8 +214,8 @@ class Scheduler:
                 break
             used += n
             chunks.append((job, n))
-        for group in self._forwards(chunks):
-            self._guard([job for job, _ in group], self._prefill, group)
+        for run in self._forwards(chunks):
+            self._guard([job for job, _ in run], self._prefill, run)
         decoding = [j for j in self.rows if j is not None and j.filled == len(j.prompt) and j.out.tokens]
         if decoding:
             self._guard(decoding, self._decode, decoding)
