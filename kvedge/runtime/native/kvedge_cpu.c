@@ -36,6 +36,7 @@
 #include <limits.h>
 #include <sched.h>
 #include <stdatomic.h>
+#include <time.h>
 #ifdef __linux__
 #include <linux/futex.h>
 #include <sys/syscall.h>
@@ -608,16 +609,23 @@ static inline void span(int rep, int n, int *r0, int *r1) {
  * process's OpenMP threads outnumber the cores, and they do as soon as a second thread runs a team beside the
  * main thread's idle one (a server's scheduler thread, after torch ran on the main thread): every barrier of a
  * step then costs a sleep and a wake-up, and a step takes far longer (docs/benchmarks.md). This one spins
- * (pause) for a while first, then sleeps on a futex (Linux; elsewhere it yields the core), so that a team larger
+ * (pause) for SPIN_NS first, then sleeps on a futex (Linux; elsewhere it yields the core), so that a team larger
  * than the cores does not spin on the core a late member needs. Arrivals count up; the last to arrive resets
  * the count, moves the phase on and wakes the sleepers. team_barrier: the current parallel region's. */
 typedef struct {
     atomic_int arrived, phase, sleepers;
 } kv_barrier;
 static _Thread_local kv_barrier *team_barrier;
-#ifndef SPINS_BEFORE_SLEEP
-#define SPINS_BEFORE_SLEEP 512
+#ifndef SPIN_NS
+#define SPIN_NS 12000 /* how long a waiting member spins before it sleeps: time, as a pause lasts from about a
+                       * nanosecond (an ARM yield) to tens (x86) */
 #endif
+
+static inline long long now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return t.tv_sec * 1000000000LL + t.tv_nsec;
+}
 
 static inline void cpu_relax(void) {
 #if defined(__x86_64__) || defined(__i386__)
@@ -656,9 +664,11 @@ static void sync_team(void) {
         if (atomic_load(&b->sleepers)) phase_wake(&b->phase); /* a sleeper counted after this load sees the phase */
         return;
     }
-    for (int spins = 0; spins < SPINS_BEFORE_SLEEP; spins++) {
+    long long until = now_ns() + SPIN_NS;
+    for (int spins = 1;; spins++) {
         if (atomic_load_explicit(&b->phase, memory_order_acquire) != phase) return;
         cpu_relax();
+        if (spins % 16 == 0 && now_ns() >= until) break;
     }
     atomic_fetch_add(&b->sleepers, 1);
     while (atomic_load(&b->phase) == phase) phase_sleep(&b->phase, phase);
