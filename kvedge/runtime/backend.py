@@ -49,6 +49,13 @@ def check_rows(backend: Backend, first_row: int, batch: int) -> None:
                           f"batch {batch} exceeds max_batch {backend.max_batch} of this session")
 
 
+def int64_inputs(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    """The token inputs as contiguous int64 tensors, without a torch op when they already are: each op releases the
+    GIL, and in a server the event loop, waiting for it, would then run its turn before the backend's call
+    starts instead of while it runs (kvedge.serve)."""
+    return [t if t.dtype == torch.int64 and t.is_contiguous() else t.to(torch.int64).contiguous() for t in tensors]
+
+
 class CacheList:
     """reset / cache_tensors for a backend holding its caches as one list of tensors in `self.caches`."""
 

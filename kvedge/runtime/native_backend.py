@@ -33,7 +33,7 @@ from torch import nn
 from kvedge.errors import KvedgeError, MissingDependencyError
 from kvedge.models import is_checkpoint, load_decoder, rope
 from kvedge.models.quant import QUANT_BITS, QuantLinear, lm_head_linear, quantize_decoder, unpack_zeros
-from kvedge.runtime.backend import CacheList, check_rows
+from kvedge.runtime.backend import CacheList, check_rows, int64_inputs
 
 SOURCE = Path(__file__).with_name("native") / "kvedge_cpu.c"
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
@@ -398,11 +398,8 @@ class NativeBackend(CacheList):
         check_rows(self, first_row, b)
         if first_row != self._first_row:
             self._point_at(first_row)
-        # no torch op on the usual path (int64, contiguous): each releases the GIL, and in a server the event loop,
-        # waiting for it, would then run its turn before the engine starts instead of while it runs
-        ids, pos, idx = (t if t.dtype == torch.int64 and t.is_contiguous() else t.to(torch.int64).contiguous()
-                         for t in (input_ids, position_ids, logits_index))
-        p = pos.numpy()
+        ids, pos, idx = int64_inputs(input_ids, position_ids, logits_index)
+        p = pos.numpy()  # not torch.aminmax, which releases the GIL (int64_inputs)
         lo, hi = int(p.min()), int(p.max())  # the engine writes the cache at these: check them
         if lo < 0 or hi >= self.max_seq_len:
             raise KvedgeError(f"positions {lo}..{hi} are outside the cache [0, {self.max_seq_len})")

@@ -17,7 +17,7 @@ import torch
 from kvedge.artifact import TOKEN_INPUTS, Sidecar, older, onnx_weight_bytes
 from kvedge.dtypes import NUMPY, to_torch
 from kvedge.errors import KvedgeError, MissingDependencyError
-from kvedge.runtime.backend import CacheList, check_rows
+from kvedge.runtime.backend import CacheList, check_rows, int64_inputs
 
 if TYPE_CHECKING:
     import onnxruntime as ort
@@ -108,7 +108,7 @@ class OrtBackend(CacheList):
         batch = input_ids.shape[0]
         check_rows(self, first_row, batch)
         self.binding = self._binding(first_row, batch)
-        keep = [t.to(torch.int64).contiguous() for t in (input_ids, position_ids, logits_index)]
+        keep = int64_inputs(input_ids, position_ids, logits_index)
         for name, t in zip(TOKEN_INPUTS, keep):  # `keep` holds the buffers alive through the run
             self.binding.bind_input(name, "cpu", 0, np.int64, list(t.shape), t.data_ptr())
         self.session.run_with_iobinding(self.binding)
