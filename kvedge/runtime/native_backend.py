@@ -377,7 +377,7 @@ class NativeBackend(CacheList):
                        pack_linear(self.dll, head, keep, activations), layers)
         self.logits = torch.empty((max_batch, 1, cfg.vocab_size))
         self.scratch = torch.empty(0, dtype=torch.uint8)  # the engine's work buffers, grown to the largest chunk
-        self._need: dict[tuple[int, int], int] = {}
+        self._need: dict[tuple[int, int], int] = {}  # (B, L) -> kv_scratch_bytes: a ctypes call releases the GIL
 
     def weights_bytes(self) -> int:
         """Bytes of everything the engine reads besides the caches (weights, scales, norms, RoPE tables)."""

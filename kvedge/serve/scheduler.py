@@ -269,7 +269,7 @@ class Scheduler:
                 ids[r], pos[r] = job.out.tokens[-1], len(job.prompt) + len(job.out.tokens) - 1
             else:  # prefilling: padding at its next free slot, overwritten by its next chunk
                 pos[r] = job.filled
-        # built from lists, not with torch.zeros, which releases the GIL (kvedge.runtime.native_backend's forward)
+        # built from lists, not with torch.zeros, which releases the GIL (kvedge.runtime.backend.int64_inputs)
         logits = self.backend.forward(torch.tensor(ids)[:, None], torch.tensor(pos)[:, None],
                                       torch.tensor([0] * (hi - lo)), first_row=lo)[:, 0]
         best = greedy_tokens(logits).tolist() if any(j.sample.argmax for j in jobs) else None  # greedy rows' tokens
