@@ -68,7 +68,7 @@ def _decode(q, kc, vc, lens, cos, sin, m_out, l_out, acc_out, scale, softcap, wi
             BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
     b, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     n = tl.load(lens + b)  # keys 0..n-1; the query sits at position n - 1
-    lo = 0
+    lo = n * 0  # n's integer type: Triton 3.6 rejects an if that retypes a variable (int32 -> int64)
     if window > 0:
         lo = tl.maximum(n - window, 0)
     start = tl.maximum(lo, split * split_len)
@@ -132,7 +132,7 @@ def _prefill(q, k, v, kc, vc, positions, cos, sin, L, out, kc_out, vc_out,
             tl.store(vc_out + dst, wv, mask=qmask)
     qpos = p0 + rows  # absolute positions: right-aligned causal for L != S
     hi = p0 + tl.minimum((mb + 1) * BLOCK_M, L)  # keys past the block's last query are never visible
-    lo = 0
+    lo = p0 * 0  # p0's integer type, as in _decode
     if window > 0:
         lo = tl.maximum(p0 + mb * BLOCK_M - window + 1, 0)
     lo = (lo // BLOCK_N) * BLOCK_N
