@@ -1,6 +1,7 @@
 """GGUF checkpoints (llama.cpp's single-file format) loaded into the one Decoder, weights kept exactly.
 
-Read with the `gguf` package (llama.cpp's own reader). The metadata (`{arch}.block_count`,
+Read with kvedge.models.gguf_reader (the container, over a memory map) and the `gguf` package's types and
+dequantizer. The metadata (`{arch}.block_count`,
 `{arch}.embedding_length`, ...) becomes a Hugging Face-style config dict that kvedge's one config reader
 (`ModelConfig.from_hf`) turns into a ModelConfig, so a GGUF file and a checkpoint folder share one config
 path. Tensor names are llama.cpp's (`token_embd`, `blk.N.attn_q`, ...), mapped onto the Hugging Face names of
@@ -111,10 +112,12 @@ _LLAMA3_DEFAULTS = dict(low_freq_factor=1.0, high_freq_factor=4.0, original_max_
 
 # -- the file ---------------------------------------------------------------------------------------
 class GGUFFile:
-    """A GGUF file opened with gguf.GGUFReader (memory-mapped): metadata values and tensors by name.
+    """A GGUF file, memory-mapped (kvedge.models.gguf_reader): metadata values and tensors by name.
     Any problem with the file itself is one CheckpointError naming the file."""
 
     def __init__(self, path: str | Path):
+        from kvedge.models.gguf_reader import Reader
+
         self.path = Path(path)
         if not self.path.is_file():
             raise CheckpointError(f"{self.path}: no such GGUF file")
@@ -129,10 +132,10 @@ class GGUFFile:
         if version not in READ_VERSIONS:
             raise CheckpointError(f"{self.path}: GGUF version {version}; kvedge reads GGUF versions "
                                   f"{', '.join(map(str, READ_VERSIONS))}")
-        gguf = require("gguf", "gguf", "reading GGUF files")
+        require("gguf", "gguf", "reading GGUF files")
         try:
-            self.reader = gguf.GGUFReader(str(self.path))
-        except Exception as e:  # the reader raises ValueError / KeyError / numpy errors on a damaged file
+            self.reader = Reader(self.path)
+        except Exception as e:  # struct / unicode / value errors on a damaged file
             raise CheckpointError(f"{self.path}: not a readable GGUF file, truncated or corrupt "
                                   f"({type(e).__name__}: {e})") from None
         self.tensors = {t.name: t for t in self.reader.tensors}
@@ -142,22 +145,14 @@ class GGUFFile:
                 raise CheckpointError(f"{self.path}: truncated: tensor {t.name} ends at byte "
                                       f"{t.data_offset + t.n_bytes}, the file has {size}")
         self.arch = self.value("general.architecture")
-        if not isinstance(self.arch, str):
-            raise ConfigError(f"{self.path}: the GGUF metadata has no general.architecture")
 
     def value(self, key: str, default: Any = None) -> Any:
-        field = self.reader.fields.get(key)
-        if field is None:
-            return default
-        try:
-            return _field_value(field)
-        except Exception as e:
-            raise CheckpointError(f"{self.path}: metadata key {key} cannot be read ({type(e).__name__}: {e})") from None
+        return self.reader.fields.get(key, default)
 
     def count(self, key: str) -> int | None:
-        """The number of entries of an array field (without decoding them), None when absent."""
-        field = self.reader.fields.get(key)
-        return None if field is None else len(field.data)
+        """The number of entries of an array field, None when absent."""
+        v = self.reader.fields.get(key)
+        return None if v is None else len(v)
 
     def type_name(self, name: str) -> str:
         return self.tensors[name].tensor_type.name
@@ -184,21 +179,6 @@ def _open_cached(path: str, resolved: str, size: int, mtime_ns: int) -> GGUFFile
     return GGUFFile(path)  # messages name the path as given
 
 
-def _field_value(field) -> Any:
-    """A metadata field's value (a list for an array), from the reader's parts."""
-    from gguf import GGUFValueType
-
-    def one(index: int, kind) -> Any:
-        part = field.parts[index]
-        return bytes(part).decode("utf-8") if kind == GGUFValueType.STRING else part.tolist()[0]
-
-    if not field.types:
-        return None
-    if field.types[0] == GGUFValueType.ARRAY:
-        return [one(i, field.types[-1]) for i in field.data]
-    return one(field.data[0], field.types[0])
-
-
 # -- config -----------------------------------------------------------------------------------------
 def _f32(v: Any) -> float:
     """A float32 metadata value as the shortest decimal that round-trips through float32 (1e-06, not
@@ -210,6 +190,8 @@ def hf_config(g: GGUFFile) -> dict[str, Any]:
     """A Hugging Face-style config dict (the keys `ModelConfig.from_hf` and transformers read) from the metadata."""
     arch = g.arch
     where = str(g.path)
+    if not isinstance(arch, str):
+        raise ConfigError(f"{where}: the GGUF metadata has no general.architecture")
     if arch not in SUPPORTED_GGUF_ARCHITECTURES:
         raise ConfigError(f"{where}: GGUF architecture {arch!r} is not imported by kvedge; supported: "
                           f"{', '.join(SUPPORTED_GGUF_ARCHITECTURES)}")
@@ -410,7 +392,7 @@ def _gguf_name(hf_name: str, arch: str) -> str:
     return f"blk.{i}.{_LAYER_NAMES[module]}.{part}"
 
 
-def _plan(g: GGUFFile, cfg: ModelConfig) -> dict[str, tuple[tuple[str, ...], tuple, tuple[str, ...]]]:
+def tensor_plan(g: GGUFFile, cfg: ModelConfig) -> dict[str, tuple[tuple[str, ...], tuple, tuple[str, ...]]]:
     """kvedge parameter -> (GGUF tensor names, their expected shapes, the Hugging Face names), every tensor
     checked (present, expected, right shape, a type kvedge reads) before any weight is read."""
     from kvedge.models.loader import tensor_map
@@ -441,7 +423,7 @@ def _plan(g: GGUFFile, cfg: ModelConfig) -> dict[str, tuple[tuple[str, ...], tup
     return plan
 
 
-def _row_order(g: GGUFFile, name: str, cfg: ModelConfig, rows: int) -> np.ndarray | None:
+def row_order(g: GGUFFile, name: str, cfg: ModelConfig, rows: int) -> np.ndarray | None:
     """The rows' order that undoes llama.cpp's Q/K permutation (llama, granite, smollm3), None where there is none.
 
     convert_hf_to_gguf.py (LlamaModel.permute) stored w.reshape(h, 2, d/2, ...).swapaxes(1, 2): row (h, j, i)
@@ -465,7 +447,7 @@ def read_float(g: GGUFFile, name: str, cfg: ModelConfig) -> np.ndarray:
 
     t = g.tensors[name]
     w = np.array(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(g.shape(name))
-    order = _row_order(g, name, cfg, w.shape[0])
+    order = row_order(g, name, cfg, w.shape[0])
     if order is not None:
         w = w[order]
     if g.arch in _NORM_PLUS_ONE and name.endswith("norm.weight"):
@@ -547,7 +529,7 @@ def read_quantized(g: GGUFFile, name: str, cfg: ModelConfig) -> tuple[np.ndarray
     group = QUANT_TYPES[kind][1]
     q, s = q.reshape(n, k // group, group), s.reshape(n, k // group)
     m = None if m is None else m.reshape(n, k // group)
-    order = _row_order(g, name, cfg, n)
+    order = row_order(g, name, cfg, n)
     if order is not None:
         q, s, m = q[order], s[order], (None if m is None else m[order])
     return q, s, m
@@ -588,7 +570,7 @@ def load_decoder(path: str | Path, dtype: str | torch.dtype | None = None, devic
     g = open_gguf(path)
     cfg = ModelConfig.from_hf(hf_config(g), str(g.path))
     want = torch_dtype(dtype) or torch.float32
-    plan = _plan(g, cfg)
+    plan = tensor_plan(g, cfg)
     state: dict[str, torch.Tensor] = {}
     linears: dict[str, nn.Module] = {}
     record: dict[str, Any] = {"file": g.path.name, "architecture": g.arch, "file_type": _file_type(g),
@@ -662,25 +644,25 @@ def write_hf_folder(gguf_path: str | Path, out_dir: str | Path) -> Path:
     hf = hf_config(g)
     cfg = ModelConfig.from_hf(hf, str(g.path))
     tensors: dict[str, torch.Tensor] = {}
-    for names, _, hf_names in _plan(g, cfg).values():
+    for names, _, hf_names in tensor_plan(g, cfg).values():
         for name, hf_name in zip(names, hf_names):
             w = torch.from_numpy(read_float(g, name, cfg))
             kind = g.type_name(name)
             tensors[hf_name] = w.to({"F16": torch.float16, "BF16": torch.bfloat16}.get(kind, torch.float32))
     out = Path(out_dir)
-    _write_tokenizer(g.reader, out)  # first: it builds the tokenizer (and may refuse it) before writing
+    _write_tokenizer(g, out)  # first: it builds the tokenizer (and may refuse it) before writing
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(hf, indent=2) + "\n", encoding="utf-8")  # last: marks it complete
     return out
 
 
-def _write_tokenizer(reader, out_dir: Path) -> bool:
+def _write_tokenizer(g: GGUFFile, out_dir: Path) -> bool:
     """The tokenizer files (tokenizer.json, tokenizer_config.json with the chat template) from the
     `tokenizer.ggml.*` metadata: kvedge.models.gguf_vocab's job. False where that module is absent."""
     try:
         from kvedge.models.gguf_vocab import write_tokenizer_files
     except ImportError:
         return False
-    write_tokenizer_files(reader, out_dir)
+    write_tokenizer_files(g, out_dir)
     return True

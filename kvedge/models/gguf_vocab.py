@@ -24,7 +24,7 @@ out, that is followed instead, and said where it is done: the smollm/starcoder f
 by one, the llama3 and tekken families keep a whole word that is in the vocabulary (BPE ignore_merges),
 an absent add_bos_token falls back to llama.cpp's default for the vocabulary, add_space_prefix is read.
 
-Layer: kvedge.models; imports only kvedge.errors and the `gguf` / `tokenizers` packages.
+Layer: kvedge.models; reads the file through kvedge.models.gguf (open_gguf), builds with `tokenizers`.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvedge.errors import ConfigError, KvedgeError, require
+from kvedge.errors import ConfigError, require
 
 # llama.cpp's token types (gguf.TokenType)
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
@@ -170,42 +170,31 @@ class GGUFVocab:
         return cfg
 
 
-def _open(path_or_reader):
-    """(reader, name) for a path or an already open gguf.GGUFReader."""
-    gguf = require("gguf", "gguf", "GGUF files")
-    if isinstance(path_or_reader, gguf.GGUFReader):
-        return path_or_reader, str(getattr(path_or_reader.data, "filename", None) or "GGUF")
-    path = Path(path_or_reader)
-    if not path.is_file():
-        raise KvedgeError(f"{path}: no such GGUF file")
-    try:
-        return gguf.GGUFReader(path), str(path)
-    except Exception as e:  # the reader raises ValueError, struct/numpy errors on a corrupt file
-        raise KvedgeError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
+def _open(path_or_file):
+    """The GGUFFile of a path (opened once for the config, the weights and the vocabulary: open_gguf), or the
+    GGUFFile given."""
+    from kvedge.models.gguf import GGUFFile, open_gguf
+
+    return path_or_file if isinstance(path_or_file, GGUFFile) else open_gguf(path_or_file)
 
 
-def _value(reader, key: str, source: str, kind: type | tuple[type, ...] | None = None):
-    f = reader.fields.get(key)
-    if f is None:
-        return None
-    try:
-        v = f.contents()
-    except Exception as e:
-        raise ConfigError(f"{source}: metadata {key} cannot be read ({type(e).__name__}: {e})") from None
-    if kind is not None and not (isinstance(v, kind) and not (isinstance(v, bool) and kind is int)):
-        raise ConfigError(f"{source}: metadata {key} is {type(v).__name__} {str(v)[:60]!r}, "
+def _value(g, key: str, kind: type | tuple[type, ...] | None = None):
+    v = g.value(key)
+    if v is not None and kind is not None and not (isinstance(v, kind) and not (isinstance(v, bool) and kind is int)):
+        raise ConfigError(f"{g.path}: metadata {key} is {type(v).__name__} {str(v)[:60]!r}, "
                           f"expected {getattr(kind, '__name__', kind)}")
     return v
 
 
 def read_vocab(path_or_reader) -> GGUFVocab:
-    """The tokenizer metadata of a GGUF file (a path or a gguf.GGUFReader), checked: a missing vocabulary,
+    """The tokenizer metadata of a GGUF file (a path or a kvedge.models.gguf.GGUFFile), checked: a missing vocabulary,
     an unknown tokenizer model or pre-tokenizer, ids out of range or arrays of the wrong length each give
     one ConfigError naming the file and the key."""
-    reader, source = _open(path_or_reader)
+    g = _open(path_or_reader)
+    source = str(g.path)
 
     def get(key, kind=None):
-        return _value(reader, key, source, kind)
+        return _value(g, key, kind)
 
     model = get("tokenizer.ggml.model", str)
     tokens = get("tokenizer.ggml.tokens", list)
@@ -264,7 +253,7 @@ def read_vocab(path_or_reader) -> GGUFVocab:
 
 
 def tokenizer_from_gguf(path_or_reader):
-    """The `tokenizers.Tokenizer` of a GGUF file (a path or a gguf.GGUFReader), from its metadata."""
+    """The `tokenizers.Tokenizer` of a GGUF file (a path or a kvedge.models.gguf.GGUFFile), from its metadata."""
     return read_vocab(path_or_reader).tokenizer()
 
 
