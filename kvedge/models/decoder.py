@@ -56,10 +56,7 @@ class Block(nn.Module):
         self.cfg = cfg
         self.window = cfg.layer_windows[index]
         h, d = cfg.hidden_size, cfg.head_dim
-        # which RoPE table the layer's attention rotates with: None (no RoPE), "global" or "local" (gemma3's
-        # sliding-window layers, rope_local_theta)
-        self.rope_kind = None if cfg.positions != "rope" or not cfg.layer_rope[index] else (
-            "local" if cfg.rope_local_theta is not None and self.window else "global")
+        self.rope_kind = rope.layer_kind(cfg, index)  # which RoPE table the layer rotates with
         if cfg.pre_norms:
             self.attn_norm = make_norm(cfg, h)
         self.qkv = nn.Linear(h, cfg.qkv_size, bias=cfg.qkv_bias)
@@ -184,12 +181,7 @@ class Decoder(nn.Module):
         key = (length, dtype, self.inv_freq.device)
         if self._tables is not None and self._tables[0] == key:
             return self._tables[1]
-        scale = rope.attention_factor(self.cfg)
-        tables = {"global": rope.tables(self.inv_freq, length, dtype, scale)}
-        if hasattr(self, "inv_freq_local"):
-            tables["local"] = rope.tables(self.inv_freq_local, length, dtype)
-        if hasattr(self, "inv_freq_long"):
-            tables["long"] = rope.tables(self.inv_freq_long, length, dtype, scale)
+        tables = rope.all_tables(self.cfg, {n: getattr(self, n) for n in rope.buffers(self.cfg)}, length, dtype)
         if not (torch.compiler.is_compiling() or torch.compiler.is_exporting()):
             self._tables = (key, tables)
         return tables

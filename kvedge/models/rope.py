@@ -67,6 +67,27 @@ def buffers(cfg: ModelConfig) -> dict[str, torch.Tensor]:
     return out
 
 
+def layer_kind(cfg: ModelConfig, index: int) -> str | None:
+    """Which table layer `index` rotates with: None (no RoPE), "global" or "local" (gemma3's sliding-window
+    layers, rope_local_theta)."""
+    if cfg.positions != "rope" or not cfg.layer_rope[index]:
+        return None
+    return "local" if cfg.rope_local_theta is not None and cfg.layer_windows[index] else "global"
+
+
+def all_tables(cfg: ModelConfig, freqs: dict[str, torch.Tensor], length: int,
+               dtype: torch.dtype) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """{"global": tables[, "local": rope_local_theta's][, "long": longrope's]} from the frequency buffers
+    (`buffers(cfg)`, or a Decoder's own)."""
+    scale = attention_factor(cfg)
+    out = {"global": tables(freqs["inv_freq"], length, dtype, scale)}
+    if "inv_freq_local" in freqs:
+        out["local"] = tables(freqs["inv_freq_local"], length, dtype)
+    if "inv_freq_long" in freqs:
+        out["long"] = tables(freqs["inv_freq_long"], length, dtype, scale)
+    return out
+
+
 def tables(freq: torch.Tensor, length: int, dtype: torch.dtype, scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin tables [length, rotary_dim / 2]: row p holds the angles p * freq, for positions 0..length-1,
     times `scale` (attention_factor).

@@ -27,11 +27,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import nn
 
 from kvedge.errors import KvedgeError, MissingDependencyError
-from kvedge.models import is_checkpoint, load_decoder, rope
+from kvedge.models import is_checkpoint, load_config, load_decoder, rope
 from kvedge.models.quant import QUANT_BITS, QuantLinear, lm_head_linear, quantize_decoder, unpack_zeros
 from kvedge.runtime.backend import CacheList, check_rows, int64_inputs
 
@@ -67,7 +68,7 @@ class Model(ctypes.Structure):
                                               "kv_half")] + \
                [(n, ctypes.c_float) for n in ("eps", "attn_scale", "attn_softcap", "final_softcap", "embed_scale",
                                               "residual_scale", "logits_divisor")] + \
-               [("embed", ctypes.c_void_p), ("final_norm", ctypes.c_void_p), ("lm_head", Linear),
+               [("embed", Linear), ("final_norm", ctypes.c_void_p), ("lm_head", Linear),
                 ("layers", ctypes.POINTER(Layer))]
 
 
@@ -150,6 +151,9 @@ def compile_engine(flags: tuple[str, ...] = FLAGS, cache_dir: str | Path | None 
     dll.kv_forward.argtypes = [ctypes.POINTER(Model), ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
                                ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
     dll.kv_forward.restype = None
+    dll.kv_pack_gguf.argtypes = [ctypes.POINTER(Linear), ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
+    dll.kv_weight_rows.argtypes = [ctypes.POINTER(Linear), ctypes.c_int, ctypes.c_void_p, ctypes.c_float,
+                                   ctypes.c_void_p]
     dll.kv_decode_slices.argtypes = [ctypes.POINTER(Model), ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
     return dll
 
@@ -238,26 +242,120 @@ def _half_exact(v: torch.Tensor, what: str, n: int, k: int) -> torch.Tensor:
     return v.half()
 
 
-def _floats_for_narrow_blocks(model: nn.Module) -> list[str]:
-    """A GGUF file's linears in blocks of 16 channels (Q6_K), which the engine's 32-channel kernels cannot
-    hold, as float32 linears with the file's values (exact, four bytes a weight instead of 0.8): their names,
-    which are also said on stderr, so the slower, larger run is never a silent one."""
-    from kvedge.models.quant import dequantize
+NORMS = ("attn_norm", "mlp_norm", "q_norm", "k_norm", "post_attn_norm", "post_mlp_norm")
+LINEARS = ("qkv", "o", "up", "down")
+# GGUF block types the engine packs from the file as they are (kv_pack_gguf's codes); the others (floats, and
+# Q6_K's 16-channel blocks) run as float32 linears of the file's values
+GGUF_TYPES = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2, "Q5_0": 3, "Q5_1": 4, "Q4_K": 5, "Q5_K": 6}
 
-    names = [n for n, m in model.named_modules() if isinstance(m, QuantLinear) and m.group % 32]
-    for name in names:
-        m = model.get_submodule(name)
-        lin = nn.Linear(m.in_features, m.out_features, bias=m.bias is not None)
-        lin.weight.data = dequantize(m.qweight, m.scales, m.zeros, m.bits, m.in_features, m.mins)
-        if m.bias is not None:
-            lin.bias.data = m.bias.detach().float()
-        parent, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, child, lin)
-    if names:
-        print(f"kvedge: the native engine runs {len(names)} linear(s) in blocks of 16 channels (GGUF Q6_K) as "
-              f"float32 with the file's values: {', '.join(names[:4])}{' ...' if len(names) > 4 else ''}",
-              file=sys.stderr)
-    return names
+
+class _DecoderWeights:
+    """The engine's weights from a built Decoder (a checkpoint loaded, and quantized, by kvedge.models)."""
+
+    def __init__(self, model: nn.Module, dll: ctypes.CDLL, keep: _Keep, activations: str):
+        self.model, self.dll, self.keep, self.activations = model, dll, keep, activations
+
+    def norm(self, name: str) -> int:
+        mod = self.model.get_submodule(name) if _has(self.model, name) else None
+        return self.keep(None if mod is None else mod.weight.detach().float().contiguous())
+
+    def linear(self, name: str) -> Linear:
+        mod = self.model.get_submodule(name) if name != "lm_head" or hasattr(self.model, "lm_head") \
+            else lm_head_linear(self.model)
+        return pack_linear(self.dll, mod, self.keep, self.activations)
+
+    def embed(self) -> Linear:
+        w = self.model.embed.weight
+        return Linear(n=w.shape[0], k=w.shape[1], bits=32, sym=1, w=self.keep(w.detach().float().contiguous()))
+
+
+def _has(model: nn.Module, name: str) -> bool:
+    try:
+        model.get_submodule(name)
+        return True
+    except AttributeError:
+        return False
+
+
+class _GGUFWeights:
+    """The engine's weights straight from a GGUF file's map, a tensor at a time: quantized tensors packed from
+    their blocks (kv_pack_gguf), the rest read as float32; each tensor's mapped pages are let go once it is
+    packed, so no float copy of a quantized tensor and no second copy of the file is ever resident. The
+    embedding stays in its type (looked up a row at a time), and a tied head is the same packed bytes."""
+
+    def __init__(self, path: str | Path, dll: ctypes.CDLL, keep: _Keep, activations: str, threads: int):
+        from kvedge.models import gguf
+
+        self.gguf, self.g = gguf, gguf.open_gguf(path)
+        self.cfg = gguf.load_config(path)
+        self.plan = gguf.tensor_plan(self.g, self.cfg)
+        self.dll, self.keep, self.activations, self.threads = dll, keep, activations, threads
+        self.float_linears: list[str] = []  # quantized linears run as float32: Q6_K's, or parts of mixed types
+        self._embed: Linear | None = None
+
+    def _floats(self, names: tuple[str, ...]) -> torch.Tensor:
+        parts = [self.gguf.read_float(self.g, n, self.cfg) for n in names]
+        self._release(names)
+        return torch.from_numpy(parts[0] if len(parts) == 1 else np.concatenate(parts))
+
+    def _release(self, names: tuple[str, ...]) -> None:
+        for n in names:
+            t = self.g.tensors[n]
+            self.g.reader.release(t.data_offset, t.data_offset + t.n_bytes)
+
+    def norm(self, name: str) -> int:
+        entry = self.plan.get(name + ".weight")
+        return self.keep(None if entry is None else self._floats(entry[0]))
+
+    def linear(self, name: str) -> Linear:
+        if name == "lm_head" and "lm_head.weight" not in self.plan:
+            return self.embed()  # tied: the embedding's own packed bytes
+        names = self.plan[name + ".weight"][0]
+        bias = self.plan.get(name + ".bias")
+        bias = self.keep(None if bias is None else self._floats(bias[0]))
+        kinds = {self.g.type_name(n) for n in names}
+        kind = kinds.pop() if len(kinds) == 1 else None
+        if kind not in GGUF_TYPES:
+            if any(k in self.gguf.QUANT_TYPES for k in kinds | {kind}):
+                self.float_linears.append(name)
+            w = self._floats(names)
+            return Linear(n=w.shape[0], k=w.shape[1], bits=32, sym=1, w=self.keep(w), bias=bias)
+        return self._pack(names, kind, bias)
+
+    def _pack(self, names: tuple[str, ...], kind: str, bias: int) -> Linear:
+        bits, _, affine, zero = self.gguf.QUANT_TYPES[kind]
+        g, keep = self.g, self.keep
+        rows = []
+        for name in names:  # each row's first block in the map, Q/K permutation undone by taking rows in order
+            t, (n, _) = g.tensors[name], g.shape(name)
+            order = self.gguf.row_order(g, name, self.cfg, n)
+            rows.append(t.data.ctypes.data + (np.arange(n) if order is None else order) * (t.n_bytes // n))
+        rows = np.ascontiguousarray(np.concatenate(rows), dtype=np.uint64)
+        n, k = len(rows), g.shape(names[0])[1]
+        figs = self.dll.kv_figures(n, k, bits)
+        lin = Linear(n=n, k=k, bits=bits, sym=int(not affine), zsym=float(zero or 2 ** (bits - 1)), bias=bias,
+                     planes=ACTIVATIONS[self.activations],
+                     q=keep(torch.empty(figs * 16 if bits == 4 else n * k, dtype=torch.uint8)))
+        if kind.endswith("_K"):  # float32 d * sc and dmin * m
+            lin.s32, lin.mins32 = keep(torch.empty(figs)), keep(torch.empty(figs))
+        else:
+            lin.s = keep(torch.empty(figs, dtype=torch.int16))
+            lin.mins = keep(torch.empty(figs, dtype=torch.int16) if affine else None)
+        if self.dll.kv_pack_gguf(ctypes.byref(lin), GGUF_TYPES[kind], rows.ctypes.data, self.threads):
+            raise KvedgeError(f"kv_pack_gguf refused {', '.join(names)} ({kind}, {n}x{k})")
+        self._release(names)
+        return lin
+
+    def embed(self) -> Linear:
+        if self._embed is None:
+            names = self.plan["embed.weight"][0]
+            kind = self.g.type_name(names[0])
+            if kind in GGUF_TYPES:
+                self._embed = self._pack(names, kind, 0)
+            else:
+                w = self._floats(names)
+                self._embed = Linear(n=w.shape[0], k=w.shape[1], bits=32, sym=1, w=self.keep(w))
+        return self._embed
 
 
 def unsupported(cfg) -> list[str]:
@@ -275,6 +373,13 @@ def unsupported(cfg) -> list[str]:
     return why
 
 
+def _refuse(cfg) -> None:
+    why = unsupported(cfg)
+    if why:
+        raise KvedgeError(f"the native backend cannot run this {cfg.arch} model: {'; '.join(why)}; use the "
+                          f"onnxruntime or torch backend")
+
+
 class NativeBackend(CacheList):
     name = "native"
 
@@ -282,7 +387,8 @@ class NativeBackend(CacheList):
                  quantize: str | None = "int4", group_size: int = 32, symmetric: bool = True,
                  quantize_lm_head: bool = True, model: nn.Module | None = None, kv_dtype: str | None = None,
                  kv_scales=None, activations: str = "int8", flags: tuple[str, ...] = FLAGS):
-        """model_dir: a Hugging Face checkpoint (pre-quantized AWQ / GPTQ ones run as they are). quantize: None
+        """model_dir: a Hugging Face checkpoint (pre-quantized AWQ / GPTQ ones run as they are), or a GGUF file,
+        whose blocks are packed from the file a tensor at a time (no Decoder is built; see _GGUFWeights). quantize: None
         keeps float32 projections; int8 / int4 round to nearest per group (as `kvedge export --quantize`).
         model: an already built (and quantized) Decoder to run instead of loading model_dir. The backend keeps
         no Decoder: the engine reads its own copies (4-bit weights as tiles) or the Decoder's tensors in place
@@ -298,45 +404,41 @@ class NativeBackend(CacheList):
         float rounding of the torch model, for twice the multiply-adds (slower, most of all in prefill).
         flags: the compiler flags of the engine's build (default -march=native: this CPU's best kernels; the
         tests also build AVX2-only and portable C, the code ARM and Jetson CPUs run)."""
-        self.float_linears: list[str] = []  # GGUF linears run as float32 (_floats_for_narrow_blocks)
-        if model is None:
-            if not is_checkpoint(model_dir):
-                raise KvedgeError(f"{model_dir}: the native backend loads a Hugging Face checkpoint (config.json) "
-                                  "or a GGUF file")
-            model = load_decoder(model_dir, dtype="float32")
-            if getattr(model, "gguf", None):  # the file's weights as they are, its tied head on its integers too
-                from kvedge.models.gguf import tied_head
-
-                head = tied_head(model_dir, model)
-                if head is not None:
-                    model.lm_head = head
-                self.float_linears = _floats_for_narrow_blocks(model)
-            elif quantize and not getattr(model, "prequantized", None):
-                if quantize not in QUANT_BITS:
-                    raise KvedgeError(f"quantize {quantize!r}: expected int8, int4 or None")
-                quantize_decoder(model, QUANT_BITS[quantize], group_size, lm_head=quantize_lm_head,
-                                 accuracy_level=4, symmetric=symmetric)
-        cfg = self.cfg = model.cfg
-        why = unsupported(cfg)
-        if why:
-            raise KvedgeError(f"the native backend cannot run this {cfg.arch} model: {'; '.join(why)}; use the "
-                              f"onnxruntime or torch backend")
         if activations not in ACTIVATIONS:
             raise KvedgeError(f"activations {activations!r}: the native engine's are {' or '.join(ACTIVATIONS)}")
-        self.activations = activations
-        self.dll = compile_engine(flags)
-        self.kernels = KERNELS[self.dll.kv_simd()]
-        self.max_batch, self.max_seq_len = max_batch, max_seq_len
-        self.threads = threads or torch.get_num_threads()
-        keep = self._keep = _Keep()
         if kv_dtype not in (None, "fp32", "fp16", "int8"):
             raise KvedgeError(f"kv_dtype {kv_dtype!r}: the native engine's cache is fp32, fp16 or int8")
+        if model is None and not is_checkpoint(model_dir):
+            raise KvedgeError(f"{model_dir}: the native backend loads a Hugging Face checkpoint (config.json) "
+                              "or a GGUF file")
+        self.activations = activations
+        self.max_batch, self.max_seq_len = max_batch, max_seq_len
+        self.threads = threads or torch.get_num_threads()
+        gguf_file = model is None and str(model_dir).endswith(".gguf")
+        cfg = self.cfg = load_config(model_dir) if gguf_file else model.cfg if model is not None else None
+        if cfg is not None:  # refused before any weight is read
+            _refuse(cfg)
+        if kv_dtype == "int8" and kv_scales is None:  # calibrated through the (quantized) model, then let go
+            from kvedge.runtime.calibration import builtin_kv_scales
+
+            if model is None:
+                model = self._decoder(model_dir, quantize, group_size, quantize_lm_head, symmetric)
+            kv_scales = builtin_kv_scales(model, model_dir)
+            if gguf_file:
+                model = None
+        self.dll = compile_engine(flags)
+        self.kernels = KERNELS[self.dll.kv_simd()]
+        keep = self._keep = _Keep()
+        if gguf_file:
+            weights = _GGUFWeights(model_dir, self.dll, keep, activations, self.threads)
+        else:
+            if model is None:
+                model = self._decoder(model_dir, quantize, group_size, quantize_lm_head, symmetric)
+            cfg = self.cfg = model.cfg
+            _refuse(cfg)
+            weights = _DecoderWeights(model, self.dll, keep, activations)
         self.kv_scales = None
         if kv_dtype == "int8":
-            if kv_scales is None:
-                from kvedge.runtime.calibration import builtin_kv_scales
-
-                kv_scales = builtin_kv_scales(model, model_dir)
             if any(len(side) != cfg.num_layers for side in kv_scales):
                 raise KvedgeError(f"kv_scales: one (k, v) scale tensor per layer expected, the model has "
                                   f"{cfg.num_layers} layers")
@@ -346,38 +448,52 @@ class NativeBackend(CacheList):
         cache_dtype = {"int8": torch.int8, "fp16": torch.float16}.get(kv_dtype, torch.float32)
         self.caches = [torch.zeros(shape, dtype=cache_dtype) for _ in range(2 * cfg.num_layers)]  # k0, v0, k1, ...
         layers = (Layer * cfg.num_layers)()
-        for i, (blk, ly) in enumerate(zip(model.layers, layers)):
-            for name in ("attn_norm", "mlp_norm", "q_norm", "k_norm", "post_attn_norm", "post_mlp_norm"):
-                norm = getattr(blk, name, None)
-                setattr(ly, name, keep(None if norm is None else norm.weight.detach().float().contiguous()))
-            for name in ("qkv", "o", "up", "down"):
-                setattr(ly, name, pack_linear(self.dll, getattr(blk, name), keep, activations))
-            ly.window = blk.window or 0
+        # global[, local (gemma3's sliding layers), long (longrope: the forward picks it, see forward)]
+        tables = {kind: tuple(keep(t.float().contiguous()) for t in pair)
+                  for kind, pair in rope.all_tables(cfg, rope.buffers(cfg), max_seq_len, torch.float32).items()}
+        kinds = [rope.layer_kind(cfg, i) for i in range(cfg.num_layers)]
+        for i, ly in enumerate(layers):
+            for name in NORMS:
+                setattr(ly, name, weights.norm(f"layers.{i}.{name}"))
+            for name in LINEARS:
+                setattr(ly, name, weights.linear(f"layers.{i}.{name}"))
+            ly.window = cfg.layer_windows[i] or 0
             ly.k_cache, ly.v_cache = self.caches[2 * i].data_ptr(), self.caches[2 * i + 1].data_ptr()
             if self.kv_scales is not None:
                 ks, vs = self.kv_scales[0][i], self.kv_scales[1][i]
                 ly.k_scale, ly.v_scale = keep(ks), keep(vs)
                 ly.k_inv, ly.v_inv = keep(torch.reciprocal(ks)), keep(torch.reciprocal(vs))
-        head = model.lm_head if hasattr(model, "lm_head") else lm_head_linear(model)
-        # global[, local (gemma3's sliding layers), long (longrope: the forward picks it, see forward)]
-        tables = {kind: tuple(keep(t.float().contiguous()) for t in pair)
-                  for kind, pair in model.rope_tables(max_seq_len, torch.float32).items()}
-        for blk, ly in zip(model.layers, layers):  # each layer's table, none for a layer without RoPE
-            ly.cos, ly.sin = tables.get(blk.rope_kind, (0, 0))
+            ly.cos, ly.sin = tables.get(kinds[i], (0, 0))  # none for a layer without RoPE
+        self.float_linears = getattr(weights, "float_linears", [])
+        if self.float_linears:
+            print(f"kvedge: the native engine runs {len(self.float_linears)} linear(s) of this file as float32 "
+                  f"with its values (blocks of 16 channels (GGUF Q6_K), or parts of different types): "
+                  f"{', '.join(self.float_linears[:4])}{' ...' if len(self.float_linears) > 4 else ''}",
+                  file=sys.stderr)
         self._switch, self._tables, self._long = rope.long_switch(cfg), tables, False  # longrope: see forward
-        self._global = [ly for blk, ly in zip(model.layers, layers) if blk.rope_kind == "global"]
+        self._global = [ly for kind, ly in zip(kinds, layers) if kind == "global"]
         self._layers, self._first_row = layers, 0
+        lm_head = weights.linear("lm_head")
         self.m = Model(cfg.vocab_size, cfg.hidden_size, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                        cfg.intermediate_size, cfg.rotary_dim // 2, int(cfg.mlp == "glu"), _ACTS[cfg.act],
                        int(cfg.norm_unit_offset), max_batch, max_seq_len,
                        int(cfg.qk_norm and cfg.qk_norm_scope == "all"), int(kv_dtype == "fp16"), cfg.norm_eps,
                        cfg.attn_scale, cfg.attn_softcap or 0.0, cfg.final_softcap or 0.0, cfg.embed_scale,
-                       cfg.residual_scale, cfg.logits_divisor, keep(model.embed.weight.detach().float().contiguous()),
-                       keep(model.norm.weight.detach().float().contiguous()),
-                       pack_linear(self.dll, head, keep, activations), layers)
+                       cfg.residual_scale, cfg.logits_divisor, weights.embed(), weights.norm("norm"), lm_head, layers)
         self.logits = torch.empty((max_batch, 1, cfg.vocab_size))
         self.scratch = torch.empty(0, dtype=torch.uint8)  # the engine's work buffers, grown to the largest chunk
         self._need: dict[tuple[int, int], int] = {}  # (B, L) -> kv_scratch_bytes: a ctypes call releases the GIL
+
+    @staticmethod
+    def _decoder(model_dir, quantize, group_size, quantize_lm_head, symmetric) -> nn.Module:
+        """The checkpoint's Decoder, quantized round to nearest unless it comes pre-quantized (or unquantized)."""
+        model = load_decoder(model_dir, dtype="float32")
+        if quantize and not getattr(model, "prequantized", None):
+            if quantize not in QUANT_BITS:
+                raise KvedgeError(f"quantize {quantize!r}: expected int8, int4 or None")
+            quantize_decoder(model, QUANT_BITS[quantize], group_size, lm_head=quantize_lm_head,
+                             accuracy_level=4, symmetric=symmetric)
+        return model
 
     def weights_bytes(self) -> int:
         """Bytes of everything the engine reads besides the caches (weights, scales, norms, RoPE tables)."""

@@ -181,6 +181,159 @@ int kv_pack_mins(kv_linear *l, const uint16_t *mins, int group) {
     return 0;
 }
 
+/* IEEE half -> float (exact): normal, subnormal (renormalized), zero, inf / NaN */
+static float half_to_float(uint16_t h) {
+    uint32_t sign = (uint32_t)(h >> 15) << 31, e = (h >> 10) & 31, m = h & 1023, bits;
+    if (e == 31)
+        bits = sign | 0x7F800000u | (m << 13);
+    else if (e)
+        bits = sign | ((e + 112) << 23) | (m << 13);
+    else if (!m)
+        bits = sign;
+    else {
+        e = 113;
+        while (!(m & 1024)) m <<= 1, e--;
+        bits = sign | (e << 23) | ((m & 1023) << 13);
+    }
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* GGUF blocks (llama.cpp's ggml-common.h layouts) packed into a linear's layout as they are: the same integers
+ * and figures, never re-rounded (kvedge.models.gguf's module doc gives each type's formula). Codes: the Python
+ * side's GGUF_TYPES. Q6_K's 16-channel blocks have no 32-channel form and are not packed here. */
+enum { GG_Q8_0, GG_Q4_0, GG_Q4_1, GG_Q5_0, GG_Q5_1, GG_Q4_K, GG_Q5_K, GG_TYPES };
+static const struct {
+    int block, bytes;
+} gg_type[GG_TYPES] = {{32, 34}, {32, 18}, {32, 20}, {32, 22}, {32, 24}, {256, 144}, {256, 176}};
+
+static inline uint16_t rd16(const uint8_t *p) {
+    uint16_t v;
+    memcpy(&v, p, 2);
+    return v;
+}
+
+/* 32 values from 16 bytes: the low nibbles are elements 0-15, the high ones 16-31 */
+static inline void gg_nibbles(const uint8_t *qs, uint8_t *v) {
+    for (int e = 0; e < 16; e++) v[e] = qs[e] & 15, v[e + 16] = qs[e] >> 4;
+}
+
+/* the fifth bits of 32 elements, bit e of a little-endian 32-bit word */
+static inline void gg_fifth(const uint8_t *qh, uint8_t *v) {
+    uint32_t h;
+    memcpy(&h, qh, 4);
+    for (int e = 0; e < 32; e++) v[e] |= (uint8_t)(((h >> e) & 1) << 4);
+}
+
+/* Sub-block sb (channels 32 sb ..) of a GGUF row: its unsigned integers v and its figures (float16 scale and
+ * min as stored, or a K-quant's float32 d * sc and -(dmin * m)). */
+static void gg_sub_block(int type, const uint8_t *row, int sb, uint8_t *v, uint16_t *s16, uint16_t *m16, float *s32,
+                         float *m32) {
+    if (gg_type[type].block == 32) {
+        const uint8_t *b = row + (size_t)sb * gg_type[type].bytes;
+        *s16 = rd16(b);
+        if (type == GG_Q8_0)
+            for (int e = 0; e < 32; e++) v[e] = b[2 + e] ^ 0x80; /* int8 q as q + 128 */
+        else if (type == GG_Q4_0)
+            gg_nibbles(b + 2, v);
+        else if (type == GG_Q4_1)
+            *m16 = rd16(b + 2), gg_nibbles(b + 4, v);
+        else if (type == GG_Q5_0)
+            gg_nibbles(b + 6, v), gg_fifth(b + 2, v);
+        else /* Q5_1 */
+            *m16 = rd16(b + 2), gg_nibbles(b + 8, v), gg_fifth(b + 4, v);
+        return;
+    }
+    const uint8_t *b = row + (size_t)(sb / 8) * gg_type[type].bytes, *q = b + 4; /* q: the 12 bytes of 6-bit figures */
+    int j = sb % 8, sc, mn;
+    if (j < 4)
+        sc = q[j] & 63, mn = q[j + 4] & 63;
+    else
+        sc = (q[j + 4] & 15) | ((q[j - 4] >> 6) << 4), mn = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+    *s32 = half_to_float(rd16(b)) * (float)sc;
+    *m32 = -(half_to_float(rd16(b + 2)) * (float)mn);
+    const uint8_t *qs = b + (type == GG_Q4_K ? 16 : 48) + 32 * (j / 2); /* sub-blocks 2i, 2i + 1: one run's nibbles */
+    for (int e = 0; e < 32; e++) v[e] = (qs[e] >> 4 * (j & 1)) & 15;
+    if (type == GG_Q5_K)
+        for (int e = 0; e < 32; e++) v[e] |= (uint8_t)(((b[16 + e] >> j) & 1) << 4);
+}
+
+/* Pack l (n, k, bits, sym / zsym and its buffers set by the caller: q, and s (+ mins) or s32 + mins32, of
+ * kv_figures) from GGUF rows of one type: rows[r] is where row r's blocks start (any order: the caller undoes
+ * a permutation or joins tensors that way). Rows past n, in the last tile, are zero. */
+int kv_pack_gguf(kv_linear *l, int type, const uint8_t *const *rows, int threads) {
+    if (type < 0 || type >= GG_TYPES || l->k % gg_type[type].block || l->w) return -1;
+    if ((l->bits == 4) != (type == GG_Q4_0 || type == GG_Q4_1 || type == GG_Q4_K)) return -1;
+    int nsb = l->k / SB, u = tiled(l) ? TILE : 1, units = (l->n + u - 1) / u;
+    uint8_t *dst = (uint8_t *)l->q;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int t = 0; t < units; t++)
+        for (int n = t * u; n < (t + 1) * u; n++)
+            for (int sb = 0; sb < nsb; sb++) {
+                uint8_t v[SB] = {0};
+                uint16_t s16 = 0, m16 = 0;
+                float s32 = 0.f, m32 = 0.f;
+                if (n < l->n) gg_sub_block(type, rows[n], sb, v, &s16, &m16, &s32, &m32);
+                size_t f = fig_at(l, n, sb);
+                if (l->s32)
+                    l->s32[f] = s32, l->mins32[f] = m32;
+                else
+                    l->s[f] = s16;
+                if (l->mins) l->mins[f] = m16;
+                if (tiled(l)) { /* lane n % TILE of the sub-block's 4 vectors (kv_pack_tiles) */
+                    uint8_t *tq = dst + ((size_t)(n / TILE) * nsb + sb) * 4 * 32 + (size_t)(n % TILE) * 4;
+                    for (int vv = 0; vv < 4; vv++)
+                        for (int b = 0; b < 4; b++) tq[32 * vv + b] = (uint8_t)(v[8 * vv + b] | v[8 * vv + 4 + b] << 4);
+                } else {
+                    memcpy(dst + (size_t)n * l->k + (size_t)sb * SB, v, SB);
+                }
+            }
+    if (!tiled(l)) /* the figures' padding to whole chunks of 8 sub-blocks */
+        for (int n = 0; n < l->n; n++)
+            for (int sb = nsb; sb < sub_stride(l->k); sb++) {
+                size_t f = (size_t)n * sub_stride(l->k) + kv_slot(sb);
+                if (l->s32) l->s32[f] = l->mins32[f] = 0.f;
+                else l->s[f] = 0;
+                if (l->mins) l->mins[f] = 0;
+            }
+    return 0;
+}
+
+/* Rows ids[0..count) of l's weights as float32, times scale, into out [count][k]: an embedding looked up in the
+ * table's own type (a tied head's bytes). The values are the dequantizer's, exact: s * (q - z), or s * q + m
+ * rounded twice (volatile: never one fused multiply-add), as gguf's dequantizer and kvedge.models.quant give
+ * them; then times scale. */
+void kv_weight_rows(const kv_linear *l, int count, const int64_t *ids, float scale, float *out) {
+    int k = l->k, nsb = k / SB;
+    for (int r = 0; r < count; r++) {
+        int64_t n = ids[r];
+        float *o = out + (size_t)r * k;
+        if (l->w) {
+            for (int i = 0; i < k; i++) o[i] = l->w[(size_t)n * k + i] * scale;
+            continue;
+        }
+        for (int sb = 0; sb < nsb; sb++) {
+            uint8_t v[SB];
+            if (tiled(l)) {
+                const uint8_t *t = l->q + ((size_t)(n / TILE) * nsb + sb) * 4 * 32 + (size_t)(n % TILE) * 4;
+                for (int vv = 0; vv < 4; vv++)
+                    for (int b = 0; b < 4; b++) v[8 * vv + b] = t[32 * vv + b] & 15, v[8 * vv + 4 + b] = t[32 * vv + b] >> 4;
+            } else {
+                memcpy(v, l->q + (size_t)n * k + (size_t)sb * SB, SB);
+            }
+            size_t f = fig_at(l, (int)n, sb);
+            float s = l->s32 ? l->s32[f] : half_to_float(l->s[f]);
+            int aff = l->s32 || l->mins;
+            float mz = l->s32 ? l->mins32[f] : l->mins ? half_to_float(l->mins[f]) : l->sym ? l->zsym : (float)l->z[f];
+            for (int e = 0; e < SB; e++) {
+                volatile float w = aff ? s * (float)v[e] : s * ((float)v[e] - mz);
+                o[sb * SB + e] = (aff ? w + mz : w) * scale;
+            }
+        }
+    }
+}
+
 /* Where a sub-block's 32 quantized activations qv go in a row xq [k] in kernel byte order: for 4-bit weights
  * (tiles), in channel order; for 8-bit ones, each pair of sub-blocks as [sb0 A, sb1 A, sb0 B, sb1 B] and a lone
  * last sub-block as [A, B], where A and B are the 16 channels the weight vectors pair them with (chunk_sums):
@@ -525,25 +678,6 @@ static void qtile(const kv_linear *l, int rm, int n0, const int8_t *const *xq, c
 #undef QDOT_ROWS_OF
 #undef QTILE_OF
 #else /* portable C: the same arithmetic, one channel at a time */
-/* IEEE half -> float (exact): normal, subnormal (renormalized), zero, inf / NaN */
-static float half_to_float(uint16_t h) {
-    uint32_t sign = (uint32_t)(h >> 15) << 31, e = (h >> 10) & 31, m = h & 1023, bits;
-    if (e == 31)
-        bits = sign | 0x7F800000u | (m << 13);
-    else if (e)
-        bits = sign | ((e + 112) << 23) | (m << 13);
-    else if (!m)
-        bits = sign;
-    else {
-        e = 113;
-        while (!(m & 1024)) m <<= 1, e--;
-        bits = sign | (e << 23) | ((m & 1023) << 13);
-    }
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
 /* row n of a quantized linear . one activation row (quantize_row's layout for the linear's width) */
 static float qdot_one(const kv_linear *l, int n, const int8_t *xq, const float *sa, const float *c) {
     int nsb = l->k / SB;
@@ -848,7 +982,7 @@ typedef struct {
     int32_t kv_half;     /* 1: float caches hold float16, new k and v rounded to nearest even as they are written */
     float eps, attn_scale, attn_softcap, final_softcap, embed_scale; /* softcaps: 0 = none */
     float residual_scale, logits_divisor; /* sublayer outputs times residual_scale; logits / logits_divisor */
-    const float *embed;                                              /* [vocab][hidden] */
+    kv_linear embed; /* [vocab][hidden]: looked up a row at a time in its own type (kv_weight_rows) */
     const float *final_norm;
     kv_linear lm_head;
     kv_layer *layers;
@@ -1234,8 +1368,7 @@ void kv_forward(const kv_model *m, int B, int L, const int64_t *ids, const int64
         int8_t *qs8 = xq + (size_t)2 * me * M * kmax;
         float *sas = sa + (size_t)2 * me * M * sub_stride(kmax), *cs = c + (size_t)2 * me * M * sub_stride(kmax);
         span(rep, M, &r0, &r1);
-        for (int r = r0; r < r1; r++)
-            for (int i = 0; i < H; i++) xs[(size_t)r * H + i] = m->embed[(size_t)ids[r] * H + i] * m->embed_scale;
+        for (int r = r0; r < r1; r++) kv_weight_rows(&m->embed, 1, ids + r, m->embed_scale, xs + (size_t)r * H);
         for (int li = 0; li < m->n_layers; li++) {
             const kv_layer *ly = &m->layers[li];
             /* rows [r0, r1) are this thread's from the embedding to each projection's quantized input */
