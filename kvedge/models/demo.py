@@ -45,7 +45,19 @@ SMOLLM2_135M_CONFIG = {
     "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64, "max_position_embeddings": 8192,
     "rope_theta": 100000.0, "tie_word_embeddings": True,
 }
-PRESETS = {"demo": DEMO_CONFIG, "smollm2-135m": SMOLLM2_135M_CONFIG}
+# Edge-sized shapes (random weights): SmolLM2-1.7B's, and Llama-3.2-3B's with SmolLM2's vocabulary.
+SMOLLM2_1_7B_CONFIG = {
+    **SMOLLM2_135M_CONFIG,
+    "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 24, "num_attention_heads": 32,
+    "num_key_value_heads": 32, "head_dim": 64, "rope_theta": 130000.0,
+}
+LLAMA32_3B_SHAPE_CONFIG = {
+    **SMOLLM2_135M_CONFIG,
+    "hidden_size": 3072, "intermediate_size": 8192, "num_hidden_layers": 28, "num_attention_heads": 24,
+    "num_key_value_heads": 8, "head_dim": 128, "rope_theta": 500000.0,
+}
+PRESETS = {"demo": DEMO_CONFIG, "smollm2-135m": SMOLLM2_135M_CONFIG, "smollm2-1.7b": SMOLLM2_1_7B_CONFIG,
+           "llama3.2-3b-shape": LLAMA32_3B_SHAPE_CONFIG}
 SPECIAL_TOKENS = ["<s>", "</s>", "<pad>"]
 SEED = 1234
 
@@ -137,4 +149,88 @@ def write_demo_checkpoint(out_dir: str | Path, preset: str = "demo") -> Path:
         tmp.rmdir()
     else:
         os.replace(tmp, out)
+    return out
+
+
+def write_random_gguf(path: str | Path, preset: str, kind: str = "F16", embed_kind: str | None = None,
+                      tokenizer_from: str | Path | None = None, seed: int = SEED, std: float = 0.02) -> Path:
+    """A llama GGUF file of a preset's shape with seeded random weights, streamed a tensor at a time (a 3B
+    shape is 6 GB as F16): what the edge benchmarks quantize with llama.cpp's own quantizer, and what the memory
+    tests load. kind / embed_kind (default kind): F16, F32, or Q8_0 / Q4_0 as random blocks (random integers,
+    each block's scale `std` / 8 as float16), which need no quantizer. tokenizer_from: a GGUF file whose
+    `tokenizer.*` metadata (vocabulary, merges, chat template) is copied, so the file takes text."""
+    import gguf
+    import numpy as np
+
+    from kvedge.models.gguf import open_gguf
+
+    cfg = PRESETS[preset]
+    h, inter, d = cfg["hidden_size"], cfg["intermediate_size"], cfg["head_dim"]
+    heads, kv, vocab = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["vocab_size"]
+    shapes = {"token_embd.weight": (vocab, h), "output_norm.weight": (h,)}
+    if not cfg["tie_word_embeddings"]:
+        shapes["output.weight"] = (vocab, h)
+    for i in range(cfg["num_hidden_layers"]):
+        b = f"blk.{i}."
+        shapes.update({b + "attn_norm.weight": (h,), b + "attn_q.weight": (heads * d, h),
+                       b + "attn_k.weight": (kv * d, h), b + "attn_v.weight": (kv * d, h),
+                       b + "attn_output.weight": (h, heads * d), b + "ffn_norm.weight": (h,),
+                       b + "ffn_gate.weight": (inter, h), b + "ffn_up.weight": (inter, h),
+                       b + "ffn_down.weight": (h, inter)})
+    types = {n: "F32" if len(shape) == 1 else embed_kind or kind if n == "token_embd.weight" else kind
+             for n, shape in shapes.items()}
+    rng = np.random.default_rng(seed)
+
+    def data(name: str) -> np.ndarray:
+        shape, t = shapes[name], types[name]
+        if len(shape) == 1:
+            return np.ones(shape, dtype=np.float32)
+        if t in ("F16", "F32"):
+            return (rng.standard_normal(shape, dtype=np.float32) * std).astype(np.float16 if t == "F16" else np.float32)
+        block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[t]]
+        blocks = rng.integers(0, 256, (shape[0], shape[1] // block, size), dtype=np.uint8)
+        blocks[..., :2] = np.frombuffer(np.float16(std / 8).tobytes(), dtype=np.uint8)  # each block's scale d
+        return blocks.reshape(shape[0], -1)
+
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    w = gguf.GGUFWriter(str(out), "llama")
+    w.add_name(f"kvedge random {preset}")
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(h)
+    w.add_feed_forward_length(inter)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv)
+    w.add_rope_dimension_count(d)
+    w.add_rope_freq_base(cfg["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_vocab_size(vocab)
+    w.add_file_type({"F32": 0, "F16": 1, "Q4_0": 2, "Q8_0": 7}[kind])
+    if tokenizer_from is not None:
+        src = open_gguf(tokenizer_from)
+        for key, v in src.reader.fields.items():
+            if not key.startswith("tokenizer."):
+                continue
+            if isinstance(v, list):
+                w.add_array(key, v)
+            elif isinstance(v, bool):
+                w.add_bool(key, v)
+            elif isinstance(v, int):
+                w.add_uint32(key, v)
+            else:
+                w.add_string(key, v)
+    for name, shape in shapes.items():
+        t = gguf.GGMLQuantizationType[types[name]]
+        block, size = gguf.GGML_QUANT_SIZES[t]
+        nbytes = int(np.prod(shape)) // block * size
+        dtype = {"F32": np.float32, "F16": np.float16}.get(types[name], np.uint8)
+        w.add_tensor_info(name, shape if dtype is not np.uint8 else (shape[0], shape[1] // block * size),
+                          np.dtype(dtype), nbytes, raw_dtype=None if dtype is not np.uint8 else t)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    for name in shapes:
+        w.write_tensor_data(data(name))
+    w.close()
     return out

@@ -378,7 +378,8 @@ def test_files_kvedge_cannot_run_faithfully_are_refused_by_name(case, extra, dro
 @pytest.mark.skipif(importlib.util.find_spec("kvedge.runtime.native_backend") is None
                     or not __import__("kvedge.runtime.native_backend", fromlist=["c_compiler"]).c_compiler(),
                     reason="the native engine needs a C compiler")
-@pytest.mark.parametrize("qtype,types", [("Q4_1", {}), ("Q4_K", {}), ("Q5_K", {}),
+@pytest.mark.parametrize("qtype,types", [("Q8_0", {}), ("Q4_0", {}), ("Q5_0", {}), ("Q5_1", {}), ("Q4_1", {}),
+                                         ("Q4_K", {}), ("Q5_K", {}),
                                          ("Q4_K", {"ffn_down.weight": "Q6_K", "output.weight": "Q6_K"})])
 def test_the_native_engine_runs_the_files_blocks(qtype, types, hf_model, gguf_file, capsys):
     """The native engine (int16 activations) on the file: Q4_1's float16 figures, Q4_K / Q5_K's float32 d * sc
@@ -394,7 +395,8 @@ def test_the_native_engine_runs_the_files_blocks(qtype, types, hf_model, gguf_fi
     assert ("blocks of 16 channels" in capsys.readouterr().err) == bool(types)
     packed = [getattr(ly, n) for ly in native._layers for n in ("qkv", "o", "up", "down")] + [native.m.lm_head]
     layers = native.cfg.num_layers  # K-quants: float32 figures; Q6_K: float
-    assert sum(bool(lin.s32) for lin in packed) == (0 if qtype == "Q4_1" else 3 * layers if types else 4 * layers + 1)
+    k_quant = qtype.endswith("_K")
+    assert sum(bool(lin.s32) for lin in packed) == (0 if not k_quant else 3 * layers if types else 4 * layers + 1)
     ids = torch.randint(3, native.cfg.vocab_size, (1, PROMPT + STEPS), generator=torch.Generator().manual_seed(3))
     want = reference(case, path, hf_model)(ids).logits[0]
     got = [native.forward(ids[:, :PROMPT], torch.arange(PROMPT)[None], torch.tensor([PROMPT - 1]))[0, 0].clone()]
@@ -402,3 +404,36 @@ def test_the_native_engine_runs_the_files_blocks(qtype, types, hf_model, gguf_fi
         got.append(native.forward(ids[:, p:p + 1], torch.tensor([[p]]), torch.tensor([0]))[0, 0].clone())
     want = want[PROMPT - 1:PROMPT + STEPS - 1]
     assert (torch.stack(got) - want).abs().max() <= 1e-3 * want.abs().max()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("kvedge.runtime.native_backend") is None
+                    or not __import__("kvedge.runtime.native_backend", fromlist=["c_compiler"]).c_compiler(),
+                    reason="the native engine needs a C compiler")
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "F16"])
+@pytest.mark.parametrize("tied", [False, True])
+def test_the_native_engine_looks_up_the_files_embedding_in_its_own_type(qtype, tied, hf_model, gguf_file, tmp_path):
+    """The engine keeps token_embd in the file's type and dequantizes a row per token: every row equals gguf's
+    own dequantizer bit for bit (times the embedding scale), and a tied head is the same packed bytes."""
+    import ctypes
+
+    import gguf
+
+    from kvedge.runtime.native_backend import NativeBackend
+
+    case = "llama-256"
+    ckpt, _ = hf_model(case)
+    path = gguf_file(case, qtype) if not tied else write_gguf(tmp_path / "tied.gguf", ckpt, qtype,
+                                                              drop=("output.weight",))
+    native = NativeBackend(path, max_seq_len=8, threads=2)
+    t = gguf.GGUFReader(str(path)).tensors
+    t = next(x for x in t if x.name == "token_embd.weight")
+    want = torch.from_numpy(np.array(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32))
+    want = want.reshape(native.cfg.vocab_size, native.cfg.hidden_size) * native.cfg.embed_scale
+    ids = torch.arange(native.cfg.vocab_size)
+    got = torch.empty_like(want)
+    native.dll.kv_weight_rows(ctypes.byref(native.m.embed), len(ids), ids.data_ptr(), native.cfg.embed_scale,
+                              got.data_ptr())
+    assert torch.equal(got, want)
+    assert native.cfg.tie_embeddings == tied
+    if tied:  # the head reads the embedding's bytes
+        assert (native.m.lm_head.q, native.m.lm_head.w) == (native.m.embed.q, native.m.embed.w)
