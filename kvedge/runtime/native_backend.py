@@ -48,7 +48,8 @@ class Linear(ctypes.Structure):
     _fields_ = [("n", ctypes.c_int32), ("k", ctypes.c_int32), ("bits", ctypes.c_int32), ("sym", ctypes.c_int32),
                 ("zsym", ctypes.c_float), ("q", ctypes.c_void_p), ("s", ctypes.c_void_p), ("z", ctypes.c_void_p),
                 ("mins", ctypes.c_void_p), ("w", ctypes.c_void_p), ("bias", ctypes.c_void_p), ("planes", ctypes.c_int32),
-                ("s32", ctypes.c_void_p), ("mins32", ctypes.c_void_p)]
+                ("s32", ctypes.c_void_p), ("mins32", ctypes.c_void_p), ("sc16", ctypes.c_void_p),
+                ("d256", ctypes.c_void_p)]
 
 
 class Layer(ctypes.Structure):
@@ -244,9 +245,9 @@ def _half_exact(v: torch.Tensor, what: str, n: int, k: int) -> torch.Tensor:
 
 NORMS = ("attn_norm", "mlp_norm", "q_norm", "k_norm", "post_attn_norm", "post_mlp_norm")
 LINEARS = ("qkv", "o", "up", "down")
-# GGUF block types the engine packs from the file as they are (kv_pack_gguf's codes); the others (floats, and
-# Q6_K's 16-channel blocks) run as float32 linears of the file's values
-GGUF_TYPES = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2, "Q5_0": 3, "Q5_1": 4, "Q4_K": 5, "Q5_K": 6}
+# GGUF block types the engine packs from the file as they are (kv_pack_gguf's codes; Q6_K as its bits-6 format);
+# float tensors, and a fused linear whose parts differ in type, run as float32 linears of the file's values
+GGUF_TYPES = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2, "Q5_0": 3, "Q5_1": 4, "Q4_K": 5, "Q5_K": 6, "Q6_K": 7}
 
 
 class _DecoderWeights:
@@ -290,7 +291,7 @@ class _GGUFWeights:
         self.cfg = gguf.load_config(path)
         self.plan = gguf.tensor_plan(self.g, self.cfg)
         self.dll, self.keep, self.activations, self.threads = dll, keep, activations, threads
-        self.float_linears: list[str] = []  # quantized linears run as float32: Q6_K's, or parts of mixed types
+        self.float_linears: list[str] = []  # quantized linears run as float32: fused parts of different types
         self._embed: Linear | None = None
 
     def _floats(self, names: tuple[str, ...]) -> torch.Tensor:
@@ -324,6 +325,7 @@ class _GGUFWeights:
 
     def _pack(self, names: tuple[str, ...], kind: str, bias: int) -> Linear:
         bits, _, affine, zero = self.gguf.QUANT_TYPES[kind]
+        bits = 6 if kind == "Q6_K" else bits
         g, keep = self.g, self.keep
         rows = []
         for name in names:  # each row's first block in the map, Q/K permutation undone by taking rows in order
@@ -336,7 +338,9 @@ class _GGUFWeights:
         lin = Linear(n=n, k=k, bits=bits, sym=int(not affine), zsym=float(zero or 2 ** (bits - 1)), bias=bias,
                      planes=ACTIVATIONS[self.activations],
                      q=keep(torch.empty(figs * 16 if bits == 4 else n * k, dtype=torch.uint8)))
-        if kind.endswith("_K"):  # float32 d * sc and dmin * m
+        if kind == "Q6_K":  # int8 scales per 16 channels, d per 256
+            lin.sc16, lin.d256 = keep(torch.empty(2 * figs, dtype=torch.int8)), keep(torch.empty(figs // 8))
+        elif kind.endswith("_K"):  # float32 d * sc and dmin * m
             lin.s32, lin.mins32 = keep(torch.empty(figs)), keep(torch.empty(figs))
         else:
             lin.s = keep(torch.empty(figs, dtype=torch.int16))
@@ -467,7 +471,7 @@ class NativeBackend(CacheList):
         self.float_linears = getattr(weights, "float_linears", [])
         if self.float_linears:
             print(f"kvedge: the native engine runs {len(self.float_linears)} linear(s) of this file as float32 "
-                  f"with its values (blocks of 16 channels (GGUF Q6_K), or parts of different types): "
+                  f"with its values (fused parts of different types): "
                   f"{', '.join(self.float_linears[:4])}{' ...' if len(self.float_linears) > 4 else ''}",
                   file=sys.stderr)
         self._switch, self._tables, self._long = rope.long_switch(cfg), tables, False  # longrope: see forward

@@ -18,6 +18,7 @@ from tests.conftest import ARCH_CASES, transformers_logits
 from tests.gguf_files import (GGUF_ARCH, PERMUTED_QK, gguf_state_dict, llama_unpermute, save_hf_checkpoint,
                               transformers_reference, write_gguf)
 from tests.models.test_hf_parity import greedy
+from tests.runtime.test_native import BUILDS
 
 TOL = 1e-4
 PROMPT, STEPS = 12, 6
@@ -375,28 +376,37 @@ def test_files_kvedge_cannot_run_faithfully_are_refused_by_name(case, extra, dro
 
 
 # -- the native engine on the file's integers ---------------------------------------------------------------
+Q4_K_M = {"ffn_down.weight": "Q6_K", "output.weight": "Q6_K"}
+
+
 @pytest.mark.skipif(importlib.util.find_spec("kvedge.runtime.native_backend") is None
                     or not __import__("kvedge.runtime.native_backend", fromlist=["c_compiler"]).c_compiler(),
                     reason="the native engine needs a C compiler")
-@pytest.mark.parametrize("qtype,types", [("Q8_0", {}), ("Q4_0", {}), ("Q5_0", {}), ("Q5_1", {}), ("Q4_1", {}),
-                                         ("Q4_K", {}), ("Q5_K", {}),
-                                         ("Q4_K", {"ffn_down.weight": "Q6_K", "output.weight": "Q6_K"})])
-def test_the_native_engine_runs_the_files_blocks(qtype, types, hf_model, gguf_file, capsys):
-    """The native engine (int16 activations) on the file: Q4_1's float16 figures, Q4_K / Q5_K's float32 d * sc
-    and dmin * m, and Q6_K's 16-channel blocks as float32 (said on stderr); its logits over a prefill and
+
+@pytest.mark.parametrize("qtype,types,build", [
+    *((q, {}, "native") for q in ("Q8_0", "Q4_0", "Q5_0", "Q5_1", "Q4_1", "Q4_K", "Q5_K", "Q6_K")),
+    ("Q4_K", Q4_K_M, "native"), *((q, t, b) for q, t in (("Q6_K", {}), ("Q4_K", Q4_K_M), ("Q4_0", {}))
+                                  for b in ("avx2", "portable") if b in BUILDS)])
+def test_the_native_engine_runs_the_files_blocks(qtype, types, build, hf_model, gguf_file, capsys):
+    """The native engine (int16 activations) on the file's own blocks, every type kept as it is: float16 figures
+    (Q8_0, Q4_0, Q5_0, Q4_1, Q5_1), Q4_K / Q5_K's float32 d * sc and dmin * m, Q6_K's integer scales per 16
+    channels (bits 6, also mixed into a Q4_K file as Q4_K_M files hold it); its logits over a prefill and
     teacher-forced decode steps equal transformers' reading of the same file within 1e-3 of the largest."""
     from kvedge.runtime.native_backend import NativeBackend
 
     case = "llama-256"
     path = gguf_file(case, qtype, **types)
-    native = NativeBackend(path, max_seq_len=PROMPT + STEPS, threads=2, activations="int16")
-    narrow = [f"layers.{i}.down" for i in range(native.cfg.num_layers)] + ["lm_head"] if types else []
-    assert native.float_linears == narrow
-    assert ("blocks of 16 channels" in capsys.readouterr().err) == bool(types)
-    packed = [getattr(ly, n) for ly in native._layers for n in ("qkv", "o", "up", "down")] + [native.m.lm_head]
-    layers = native.cfg.num_layers  # K-quants: float32 figures; Q6_K: float
-    k_quant = qtype.endswith("_K")
-    assert sum(bool(lin.s32) for lin in packed) == (0 if not k_quant else 3 * layers if types else 4 * layers + 1)
+    native = NativeBackend(path, max_seq_len=PROMPT + STEPS, threads=2, activations="int16", flags=BUILDS[build])
+    assert native.float_linears == [] and "float32" not in capsys.readouterr().err
+    layers = native.cfg.num_layers
+    packed = {f"layers.{i}.{n}": getattr(ly, n) for i, ly in enumerate(native._layers) for n in ("qkv", "o", "up", "down")}
+    packed["lm_head"] = native.m.lm_head
+    want_bits = {name: 6 if qtype == "Q6_K" or (types and name.endswith(("down", "lm_head"))) else
+                 QUANT_TYPES[qtype][0] for name in packed}
+    assert {name: lin.bits for name, lin in packed.items()} == want_bits
+    assert {name for name, lin in packed.items() if lin.s32} == (
+        {name for name, b in want_bits.items() if b != 6} if qtype in ("Q4_K", "Q5_K") else set())
+    assert len(packed) == 4 * layers + 1
     ids = torch.randint(3, native.cfg.vocab_size, (1, PROMPT + STEPS), generator=torch.Generator().manual_seed(3))
     want = reference(case, path, hf_model)(ids).logits[0]
     got = [native.forward(ids[:, :PROMPT], torch.arange(PROMPT)[None], torch.tensor([PROMPT - 1]))[0, 0].clone()]
@@ -409,7 +419,7 @@ def test_the_native_engine_runs_the_files_blocks(qtype, types, hf_model, gguf_fi
 @pytest.mark.skipif(importlib.util.find_spec("kvedge.runtime.native_backend") is None
                     or not __import__("kvedge.runtime.native_backend", fromlist=["c_compiler"]).c_compiler(),
                     reason="the native engine needs a C compiler")
-@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "F16"])
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "F16"])
 @pytest.mark.parametrize("tied", [False, True])
 def test_the_native_engine_looks_up_the_files_embedding_in_its_own_type(qtype, tied, hf_model, gguf_file, tmp_path):
     """The engine keeps token_embd in the file's type and dequantizes a row per token: every row equals gguf's

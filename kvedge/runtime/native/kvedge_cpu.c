@@ -94,6 +94,10 @@ typedef struct {
                                * (quantize_row16), which doubles the kernels' multiply-adds, not the weight reads */
     float *s32, *mins32;      /* [kv_figures] an affine linear's float32 scales and mins (kv_pack_affine32)
                                * instead of s and mins; NULL otherwise */
+    int8_t *sc16;             /* bits 6 (GGUF's Q6_K, kv_pack_gguf): q holds signed q - 32 as bytes [n][k]; scales
+                               * per 16 channels [n][2 * sub_stride], per chunk of 8 sub-blocks the A halves' 8
+                               * then the B halves' 8, in kv_slot order (q6_sums); NULL otherwise */
+    float *d256;              /* bits 6: the super-block scale d per chunk of 8 sub-blocks [n][sub_stride / 8] */
 } kv_linear;
 
 /* Per-sub-block figures (scales, zero points, activation scales) are stored per row with a stride of
@@ -116,6 +120,17 @@ static inline int kv_slot(int sb) {
 #define TILE 8
 
 static inline int tiled(const kv_linear *l) { return l->bits == 4 && !l->w; }
+
+/* bytes of a quantized row: 4-bit tiles hold two channels a byte, every other format one */
+static inline size_t row_bytes(const kv_linear *l) { return tiled(l) ? (size_t)l->k / 2 : (size_t)l->k; }
+
+/* A bits-6 linear's scale of channels 32 sb + 16 half .. + 15 (half 0 or 1): the A half of a sub-block is its
+ * first for an even sb, its second for an odd one (chunk_sums' pairing) */
+static inline int sc16_at(const kv_linear *l, int n, int sb, int half) {
+    size_t chunk = (size_t)n * sub_stride(l->k) + (sb & ~7);
+    int lane = kv_slot(sb) - (sb & ~7), a = (sb & 1) == half;
+    return l->sc16[2 * chunk + (a ? 0 : 8) + lane];
+}
 
 /* where row n's figure of sub-block sb is */
 static inline size_t fig_at(const kv_linear *l, int n, int sb) {
@@ -202,11 +217,11 @@ static float half_to_float(uint16_t h) {
 
 /* GGUF blocks (llama.cpp's ggml-common.h layouts) packed into a linear's layout as they are: the same integers
  * and figures, never re-rounded (kvedge.models.gguf's module doc gives each type's formula). Codes: the Python
- * side's GGUF_TYPES. Q6_K's 16-channel blocks have no 32-channel form and are not packed here. */
-enum { GG_Q8_0, GG_Q4_0, GG_Q4_1, GG_Q5_0, GG_Q5_1, GG_Q4_K, GG_Q5_K, GG_TYPES };
+ * side's GGUF_TYPES. Q6_K (16-channel scales) becomes a bits-6 linear (kv_linear.sc16). */
+enum { GG_Q8_0, GG_Q4_0, GG_Q4_1, GG_Q5_0, GG_Q5_1, GG_Q4_K, GG_Q5_K, GG_Q6_K, GG_TYPES };
 static const struct {
     int block, bytes;
-} gg_type[GG_TYPES] = {{32, 34}, {32, 18}, {32, 20}, {32, 22}, {32, 24}, {256, 144}, {256, 176}};
+} gg_type[GG_TYPES] = {{32, 34}, {32, 18}, {32, 20}, {32, 22}, {32, 24}, {256, 144}, {256, 176}, {256, 210}};
 
 static inline uint16_t rd16(const uint8_t *p) {
     uint16_t v;
@@ -262,8 +277,37 @@ static void gg_sub_block(int type, const uint8_t *row, int sb, uint8_t *v, uint1
 /* Pack l (n, k, bits, sym / zsym and its buffers set by the caller: q, and s (+ mins) or s32 + mins32, of
  * kv_figures) from GGUF rows of one type: rows[r] is where row r's blocks start (any order: the caller undoes
  * a permutation or joins tensors that way). Rows past n, in the last tile, are zero. */
+/* Row n of Q6_K blocks (ql [128], qh [64], int8 scales [16], d) as a bits-6 linear: element e of a super-block
+ * is ql's nibble and qh's 2 bits (e / 128: its half; within it, quarter i = e % 128 / 32 takes the low nibbles
+ * of ql[0..31], of ql[32..63], then the high ones, and qh's bits 2i), less 32; scale e / 16. */
+static void gg_pack_q6(kv_linear *l, int n, const uint8_t *row) {
+    int8_t *dst = (int8_t *)l->q + (size_t)n * l->k;
+    for (int c = 0; c < l->k / 256; c++) {
+        const uint8_t *b = row + (size_t)c * 210, *ql = b, *qh = b + 128;
+        const int8_t *sc = (const int8_t *)(b + 192);
+        for (int e = 0; e < 256; e++) {
+            int h = e / 128, i = e % 128 / 32, j = e % 32;
+            int lo = (ql[h * 64 + (i & 1) * 32 + j] >> 4 * (i >> 1)) & 15, hi = (qh[h * 32 + j] >> 2 * i) & 3;
+            dst[c * 256 + e] = (int8_t)((lo | hi << 4) - 32);
+        }
+        size_t chunk = (size_t)n * sub_stride(l->k) + 8 * c;
+        for (int s8 = 0; s8 < 8; s8++) { /* sub-block 8 c + s8: its A half, then its B half */
+            int lane = kv_slot(s8), first = 2 * s8, second = 2 * s8 + 1;
+            l->sc16[2 * chunk + lane] = sc[s8 & 1 ? second : first];
+            l->sc16[2 * chunk + 8 + lane] = sc[s8 & 1 ? first : second];
+        }
+        l->d256[(size_t)n * (sub_stride(l->k) / 8) + c] = half_to_float(rd16(b + 208));
+    }
+}
+
 int kv_pack_gguf(kv_linear *l, int type, const uint8_t *const *rows, int threads) {
     if (type < 0 || type >= GG_TYPES || l->k % gg_type[type].block || l->w) return -1;
+    if (type == GG_Q6_K) {
+        if (l->bits != 6 || !l->sc16 || !l->d256) return -1;
+#pragma omp parallel for num_threads(threads) schedule(static)
+        for (int n = 0; n < l->n; n++) gg_pack_q6(l, n, rows[n]);
+        return 0;
+    }
     if ((l->bits == 4) != (type == GG_Q4_0 || type == GG_Q4_1 || type == GG_Q4_K)) return -1;
     int nsb = l->k / SB, u = tiled(l) ? TILE : 1, units = (l->n + u - 1) / u;
     uint8_t *dst = (uint8_t *)l->q;
@@ -319,6 +363,14 @@ void kv_weight_rows(const kv_linear *l, int count, const int64_t *ids, float sca
                 const uint8_t *t = l->q + ((size_t)(n / TILE) * nsb + sb) * 4 * 32 + (size_t)(n % TILE) * 4;
                 for (int vv = 0; vv < 4; vv++)
                     for (int b = 0; b < 4; b++) v[8 * vv + b] = t[32 * vv + b] & 15, v[8 * vv + 4 + b] = t[32 * vv + b] >> 4;
+            } else if (l->sc16) { /* (d * sc) * (q - 32), as gguf's dequantizer */
+                const int8_t *w = (const int8_t *)l->q + (size_t)n * k + (size_t)sb * SB;
+                float d = l->d256[(size_t)n * (sub_stride(k) / 8) + sb / 8];
+                for (int e = 0; e < SB; e++) {
+                    float s = d * (float)sc16_at(l, (int)n, sb, e / 16); /* exact: 11 bits times 8 */
+                    o[sb * SB + e] = s * (float)w[e] * scale;
+                }
+                continue;
             } else {
                 memcpy(v, l->q + (size_t)n * k + (size_t)sb * SB, SB);
             }
@@ -638,6 +690,64 @@ static inline __attribute__((always_inline)) void qtile_w(const int aff, const i
     for (int j = 0; j < rm; j++) _mm256_storeu_ps(out + j * TILE, acc[j]);
 }
 
+/* acc + the sums of each 4 adjacent products w * s of signed bytes, |w| <= 32 (maddubs of |w| and s with w's sign,
+ * pairs within int16) */
+static inline __m256i dot_s8s8(__m256i acc, __m256i w, __m256i s) {
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(s, w)),
+                                                   _mm256_set1_epi16(1)));
+}
+
+/* out[j * ROWS + i] = row n0 + i of a bits-6 linear (GGUF's Q6_K: signed q - 32, a scale per 16 channels, d per
+ * chunk of 8 sub-blocks) . activation row j, for j < rm (1 or 2). As chunk_sums, a pair of sub-blocks makes the
+ * vectors A and B; their sums stay apart (each is one half of each sub-block), are reduced in kv_slot order, and
+ * each half's integer sum is multiplied by its integer scale before anything is converted to float. */
+static inline __attribute__((always_inline)) void q6_rows_w(const kv_linear *l, const int rm, int n0,
+                                                            const int8_t *const *xq, const float *const *sa,
+                                                            float *out) {
+    const int nsb = l->k / SB, st = sub_stride(l->k);
+    const int8_t *q[ROWS], *sc[ROWS];
+    const float *dr[ROWS];
+    __m256 acc[ROWS][2];
+    for (int i = 0; i < ROWS; i++) {
+        size_t row = (size_t)(n0 + i < l->n ? n0 + i : l->n - 1);
+        q[i] = (const int8_t *)l->q + row * l->k, sc[i] = l->sc16 + 2 * row * st, dr[i] = l->d256 + row * (st / 8);
+        acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+    }
+    const __m256i zero = _mm256_setzero_si256();
+    for (int sb = 0; sb < nsb; sb += 8) {
+        __m256 sav[2];
+        for (int j = 0; j < rm; j++) sav[j] = _mm256_loadu_ps(sa[j] + sb);
+#pragma GCC unroll 4
+        for (int i = 0; i < ROWS; i++) {
+            __m256i pa[2][4], pb[2][4];
+            for (int p = 0; p < 4; p++) {
+                const int8_t *qp = q[i] + (size_t)sb * SB + 64 * p;
+                __m256i b0 = _mm256_loadu_si256((const __m256i *)qp), b1 = _mm256_loadu_si256((const __m256i *)(qp + 32));
+                __m256i wa = _mm256_blend_epi32(b0, b1, 0xF0), wb = _mm256_permute2x128_si256(b0, b1, 0x21);
+                for (int j = 0; j < rm; j++) {
+                    const int8_t *aa = xq[j] + (size_t)sb * SB + 64 * p;
+                    pa[j][p] = dot_s8s8(zero, wa, _mm256_loadu_si256((const __m256i *)aa));
+                    pb[j][p] = dot_s8s8(zero, wb, _mm256_loadu_si256((const __m256i *)(aa + 32)));
+                }
+            }
+            const int8_t *s8 = sc[i] + 2 * sb;
+            __m256i sca = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)s8));
+            __m256i scb = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(s8 + 8)));
+            __m256 d = _mm256_set1_ps(dr[i][sb / 8]);
+            for (int j = 0; j < rm; j++) {
+                __m256i ra = _mm256_hadd_epi32(_mm256_hadd_epi32(pa[j][0], pa[j][1]), _mm256_hadd_epi32(pa[j][2], pa[j][3]));
+                __m256i rb = _mm256_hadd_epi32(_mm256_hadd_epi32(pb[j][0], pb[j][1]), _mm256_hadd_epi32(pb[j][2], pb[j][3]));
+                __m256i t = _mm256_add_epi32(_mm256_mullo_epi32(sca, ra), _mm256_mullo_epi32(scb, rb));
+                acc[i][j] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(t), sav[j]), d, acc[i][j]);
+            }
+        }
+    }
+    for (int j = 0; j < rm; j++) {
+        __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(acc[0][j], acc[1][j]), _mm256_hadd_ps(acc[2][j], acc[3][j]));
+        _mm_storeu_ps(out + j * ROWS, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+    }
+}
+
 /* The instances of one kind of zero point (AFF: 0 uint8 or symmetric, 1 affine float16, 2 affine float32) */
 #define QDOT_ROWS_OF(AFF)                                                                                         \
     if (rm == 2)                                                                                                  \
@@ -655,7 +765,12 @@ static inline __attribute__((always_inline)) void qtile_w(const int aff, const i
 /* an 8-bit linear's rows (ROWS of them from n0) against rm (1 or 2) activation rows */
 static void qdot_rows(const kv_linear *l, int rm, int n0, const int8_t *const *xq, const float *const *sa,
                       const float *const *c, float *out) {
-    if (l->s32) {
+    if (l->sc16) {
+        if (rm == 2)
+            q6_rows_w(l, 2, n0, xq, sa, out);
+        else
+            q6_rows_w(l, 1, n0, xq, sa, out);
+    } else if (l->s32) {
         QDOT_ROWS_OF(2)
     } else if (l->mins) {
         QDOT_ROWS_OF(1)
@@ -694,6 +809,15 @@ static float qdot_one(const kv_linear *l, int n, const int8_t *xq, const float *
             const int8_t *base = xq + pair * SB;
             const uint8_t *qq = l->q + (size_t)n * l->k + (size_t)sb * SB;
             int half = lone ? 16 : 32, off = lone ? 0 : (sb & 1) * 16, swap = off ? 16 : 0;
+            if (l->sc16) { /* bits 6: signed weights, each half times its own integer scale */
+                const int8_t *w = (const int8_t *)qq;
+                int da = 0, db = 0;
+                for (int t = 0; t < 16; t++) da += w[swap + t] * base[off + t], db += w[(16 ^ swap) + t] * base[half + off + t];
+                int ha = sb & 1; /* the A half: the first for an even sb, the second for an odd one */
+                int isum = sc16_at(l, n, sb, ha) * da + sc16_at(l, n, sb, !ha) * db;
+                y += (float)isum * sa[act_slot(sb, l->bits)] * l->d256[(size_t)n * (sub_stride(l->k) / 8) + sb / 8];
+                continue;
+            }
             for (int t = 0; t < 16; t++) d += qq[swap + t] * base[off + t] + qq[(16 ^ swap) + t] * base[half + off + t];
         }
         size_t f = fig_at(l, n, sb);
@@ -818,9 +942,13 @@ static inline void fetch_span(const void *p, size_t bytes) {
  * one's mins */
 static inline void fetch_rows(const kv_linear *l, int n0, int n1) {
     if (l->w || n1 <= n0) return;
-    size_t rb = (size_t)l->k * l->bits / 8, per = tiled(l) ? (size_t)l->k / SB : (size_t)sub_stride(l->k);
+    size_t rb = row_bytes(l), per = tiled(l) ? (size_t)l->k / SB : (size_t)sub_stride(l->k);
     size_t at = (size_t)n0 * per, figs = (size_t)(n1 - n0) * per; /* a tile's figures follow the one before */
     fetch_span(l->q + (size_t)n0 * rb, (size_t)(n1 - n0) * rb);
+    if (l->sc16) {
+        fetch_span(l->sc16 + 2 * at, 2 * figs);
+        return;
+    }
     if (l->s32) {
         fetch_span(l->s32 + at, sizeof(float) * figs), fetch_span(l->mins32 + at, sizeof(float) * figs);
         return;
@@ -862,7 +990,7 @@ static inline int my_rows(const kv_linear *l, int *n0, int *n1) {
     span(0, units, &t0, &t1);
     *n0 = t0 * u, *n1 = t1 * u < l->n ? t1 * u : l->n;
     size_t bytes = tiled(l) ? TILE_PREFETCH_BYTES : PREFETCH_BYTES;
-    return ((int)(bytes / ((size_t)l->k * l->bits / 8)) + u) / u * u;
+    return ((int)(bytes / row_bytes(l)) + u) / u * u;
 }
 
 /* fetch the head of this thread's rows of l: called one projection early, so the next stream is under
@@ -1003,7 +1131,7 @@ typedef struct {
 #define MOD(f) KV_FIELD(kv_model, f)
 static const kv_layout_entry kv_layout_table[] = {
     KV_STRUCT(kv_linear), LIN(n), LIN(k), LIN(bits), LIN(sym), LIN(zsym), LIN(q), LIN(s), LIN(z), LIN(mins), LIN(w),
-    LIN(bias), LIN(planes), LIN(s32), LIN(mins32),
+    LIN(bias), LIN(planes), LIN(s32), LIN(mins32), LIN(sc16), LIN(d256),
     KV_STRUCT(kv_layer), LAY(attn_norm), LAY(mlp_norm), LAY(q_norm), LAY(k_norm), LAY(post_attn_norm),
     LAY(post_mlp_norm), LAY(qkv), LAY(o), LAY(up), LAY(down), LAY(window), LAY(k_cache), LAY(v_cache), LAY(k_scale),
     LAY(v_scale), LAY(k_inv), LAY(v_inv), LAY(cos), LAY(sin),
