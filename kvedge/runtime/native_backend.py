@@ -59,7 +59,8 @@ class Layer(ctypes.Structure):
                [(n, Linear) for n in ("qkv", "o", "up", "down")] + \
                [("window", ctypes.c_int32)] + \
                [(n, ctypes.c_void_p) for n in ("k_cache", "v_cache", "k_scale", "v_scale", "k_inv", "v_inv", "cos",
-                                              "sin")]
+                                              "sin")] + \
+               [("qkv_tail", Linear)]
 
 
 class Model(ctypes.Structure):
@@ -244,7 +245,7 @@ def _half_exact(v: torch.Tensor, what: str, n: int, k: int) -> torch.Tensor:
 
 
 NORMS = ("attn_norm", "mlp_norm", "q_norm", "k_norm", "post_attn_norm", "post_mlp_norm")
-LINEARS = ("qkv", "o", "up", "down")
+LINEARS = ("qkv", "o", "up", "down")  # qkv first: it may have a tail (_GGUFWeights.linear_parts)
 # GGUF block types the engine packs from the file as they are (kv_pack_gguf's codes; Q6_K as its bits-6 format);
 # float tensors, and a fused linear whose parts differ in type, run as float32 linears of the file's values
 GGUF_TYPES = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2, "Q5_0": 3, "Q5_1": 4, "Q4_K": 5, "Q5_K": 6, "Q6_K": 7}
@@ -264,6 +265,9 @@ class _DecoderWeights:
         mod = self.model.get_submodule(name) if name != "lm_head" or hasattr(self.model, "lm_head") \
             else lm_head_linear(self.model)
         return pack_linear(self.dll, mod, self.keep, self.activations)
+
+    def linear_parts(self, name: str) -> tuple[Linear, Linear | None]:
+        return self.linear(name), None
 
     def embed(self) -> Linear:
         w = self.model.embed.weight
@@ -307,6 +311,21 @@ class _GGUFWeights:
     def norm(self, name: str) -> int:
         entry = self.plan.get(name + ".weight")
         return self.keep(None if entry is None else self._floats(entry[0]))
+
+    def linear_parts(self, name: str) -> tuple[Linear, Linear | None]:
+        """A fused linear whose parts are of two packed types (Q4_K_M's q, k in Q4_K and v in Q6_K) as two packed
+        linears, the engine's qkv and qkv_tail; otherwise (linear(name), None)."""
+        names = self.plan[name + ".weight"][0]
+        kinds = [self.g.type_name(n) for n in names]
+        cut = next((i for i in range(1, len(kinds)) if kinds[i] != kinds[i - 1]), None)
+        if cut is None or len(set(kinds)) != 2 or not set(kinds) <= set(GGUF_TYPES):
+            return self.linear(name), None
+        bias = self.plan.get(name + ".bias")
+        rows = sum(self.g.shape(n)[0] for n in names[:cut])
+        bias = None if bias is None else self._floats(bias[0])
+        head = self._pack(names[:cut], kinds[0], self.keep(None if bias is None else bias[:rows].contiguous()))
+        tail = self._pack(names[cut:], kinds[cut], self.keep(None if bias is None else bias[rows:].contiguous()))
+        return head, tail
 
     def linear(self, name: str) -> Linear:
         if name == "lm_head" and "lm_head.weight" not in self.plan:
@@ -459,7 +478,10 @@ class NativeBackend(CacheList):
         for i, ly in enumerate(layers):
             for name in NORMS:
                 setattr(ly, name, weights.norm(f"layers.{i}.{name}"))
-            for name in LINEARS:
+            ly.qkv, tail = weights.linear_parts(f"layers.{i}.qkv")
+            if tail is not None:
+                ly.qkv_tail = tail
+            for name in LINEARS[1:]:
                 setattr(ly, name, weights.linear(f"layers.{i}.{name}"))
             ly.window = cfg.layer_windows[i] or 0
             ly.k_cache, ly.v_cache = self.caches[2 * i].data_ptr(), self.caches[2 * i + 1].data_ptr()

@@ -376,7 +376,7 @@ def test_files_kvedge_cannot_run_faithfully_are_refused_by_name(case, extra, dro
 
 
 # -- the native engine on the file's integers ---------------------------------------------------------------
-Q4_K_M = {"ffn_down.weight": "Q6_K", "output.weight": "Q6_K"}
+Q4_K_M = {"attn_v.weight": "Q6_K", "ffn_down.weight": "Q6_K", "output.weight": "Q6_K"}  # as llama.cpp's Q4_K_M
 
 
 @pytest.mark.skipif(importlib.util.find_spec("kvedge.runtime.native_backend") is None
@@ -390,7 +390,8 @@ Q4_K_M = {"ffn_down.weight": "Q6_K", "output.weight": "Q6_K"}
 def test_the_native_engine_runs_the_files_blocks(qtype, types, build, hf_model, gguf_file, capsys):
     """The native engine (int16 activations) on the file's own blocks, every type kept as it is: float16 figures
     (Q8_0, Q4_0, Q5_0, Q4_1, Q5_1), Q4_K / Q5_K's float32 d * sc and dmin * m, Q6_K's integer scales per 16
-    channels (bits 6, also mixed into a Q4_K file as Q4_K_M files hold it); its logits over a prefill and
+    channels (bits 6, also mixed into a Q4_K file as Q4_K_M files hold it: a qkv of Q4_K q, k and Q6_K v is the
+    engine's qkv and qkv_tail); its logits over a prefill and
     teacher-forced decode steps equal transformers' reading of the same file within 1e-3 of the largest."""
     from kvedge.runtime.native_backend import NativeBackend
 
@@ -407,6 +408,9 @@ def test_the_native_engine_runs_the_files_blocks(qtype, types, build, hf_model, 
     assert {name for name, lin in packed.items() if lin.s32} == (
         {name for name, b in want_bits.items() if b != 6} if qtype in ("Q4_K", "Q5_K") else set())
     assert len(packed) == 4 * layers + 1
+    tails = [ly.qkv_tail for ly in native._layers]
+    assert [(t.n, t.bits) for t in tails] == [(native.cfg.num_kv_heads * native.cfg.head_dim, 6) if types else (0, 0)
+                                              for _ in tails]
     ids = torch.randint(3, native.cfg.vocab_size, (1, PROMPT + STEPS), generator=torch.Generator().manual_seed(3))
     want = reference(case, path, hf_model)(ids).logits[0]
     got = [native.forward(ids[:, :PROMPT], torch.arange(PROMPT)[None], torch.tensor([PROMPT - 1]))[0, 0].clone()]

@@ -1004,8 +1004,8 @@ static void fetch_head(const kv_linear *l) {
  * split between the threads), it ends with a barrier. xq, sa, c: scratch for 2m rows (2m * k bytes,
  * 2m * sub_stride(k) floats: an int16 linear's two planes per row); with rep, this thread's own. next: the projection that follows, whose weight
  * stream this thread starts before the barrier. more (or NULL): ranges fetched along the way. */
-static void linear_rows(const kv_linear *l, int m, const float *x, float *y, int8_t *xq, float *sa, float *c,
-                        int rep, const kv_linear *next, kv_fetch *more) {
+static void linear_rows(const kv_linear *l, int m, const float *x, float *y, int ldy, int8_t *xq, float *sa,
+                        float *c, int rep, const kv_linear *next, kv_fetch *more) {
     int st = sub_stride(l->k), n_start, n_end;
     int ahead = my_rows(l, &n_start, &n_end);
     size_t share = more ? more->total / ((n_end - n_start) / unit(l) + 1) + 64 : 0; /* of `more`, a unit */
@@ -1041,7 +1041,7 @@ static void linear_rows(const kv_linear *l, int m, const float *x, float *y, int
                     for (int i = 0; i < rows; i++) {
                         float v = out[j * TILE + i];
                         if (p2) v += out[(j + 1) * TILE + i]; /* the planes' dot products add up to their row's */
-                        y[(size_t)((r + j) >> p2) * l->n + n0 + i] = v + (l->bias ? l->bias[n0 + i] : 0.f);
+                        y[(size_t)((r + j) >> p2) * ldy + n0 + i] = v + (l->bias ? l->bias[n0 + i] : 0.f);
                     }
             }
             continue;
@@ -1065,7 +1065,7 @@ static void linear_rows(const kv_linear *l, int m, const float *x, float *y, int
             }
             for (int j = 0; j < rm; j++)
                 for (int i = 0; i < rows; i++)
-                    y[(size_t)(r + j) * l->n + n0 + i] = out[j * ROWS + i] + (l->bias ? l->bias[n0 + i] : 0.f);
+                    y[(size_t)(r + j) * ldy + n0 + i] = out[j * ROWS + i] + (l->bias ? l->bias[n0 + i] : 0.f);
         }
     }
     if (next) fetch_head(next);
@@ -1082,7 +1082,7 @@ int kv_linear_forward(const kv_linear *l, int m, const float *x, float *y, int t
 #pragma omp parallel num_threads(threads)
     {
         team_barrier = &bar;
-        linear_rows(l, m, x, y, xq, sa, c, 0, NULL, NULL);
+        linear_rows(l, m, x, y, l->n, xq, sa, c, 0, NULL, NULL);
     }
     free(xq), free(sa), free(c);
     return 0;
@@ -1102,6 +1102,7 @@ typedef struct {
      * them, as kvedge.models.attention does); NULL for a float cache */
     const float *k_scale, *v_scale, *k_inv, *v_inv;
     const float *cos, *sin; /* this layer's RoPE tables [max_seq][rot_half]; NULL: no RoPE on this layer */
+    kv_linear qkv_tail;     /* n > 0: qkv's rows past qkv.n, in another format (kv_forward); n = 0: none */
 } kv_layer;
 
 typedef struct {
@@ -1134,7 +1135,7 @@ static const kv_layout_entry kv_layout_table[] = {
     LIN(bias), LIN(planes), LIN(s32), LIN(mins32), LIN(sc16), LIN(d256),
     KV_STRUCT(kv_layer), LAY(attn_norm), LAY(mlp_norm), LAY(q_norm), LAY(k_norm), LAY(post_attn_norm),
     LAY(post_mlp_norm), LAY(qkv), LAY(o), LAY(up), LAY(down), LAY(window), LAY(k_cache), LAY(v_cache), LAY(k_scale),
-    LAY(v_scale), LAY(k_inv), LAY(v_inv), LAY(cos), LAY(sin),
+    LAY(v_scale), LAY(k_inv), LAY(v_inv), LAY(cos), LAY(sin), LAY(qkv_tail),
     KV_STRUCT(kv_model), MOD(vocab), MOD(hidden), MOD(n_layers), MOD(hq), MOD(hkv), MOD(d), MOD(inter),
     MOD(rot_half), MOD(glu), MOD(act), MOD(unit_offset), MOD(max_batch), MOD(max_seq), MOD(qk_norm_all),
     MOD(kv_half), MOD(eps), MOD(attn_scale), MOD(attn_softcap), MOD(final_softcap), MOD(embed_scale),
@@ -1523,7 +1524,12 @@ void kv_forward(const kv_model *m, int B, int L, const int64_t *ids, const int64
                 fetch_add(&more, kp, bytes), fetch_add(&more, vp, bytes);
             }
             dq.b = -1; /* a new layer's cache */
-            linear_rows(&ly->qkv, M, hs, t, qs8, sas, cs, rep, &ly->o, L == 1 ? &more : NULL);
+            /* a qkv whose last rows are of another format (qkv_tail: a GGUF file's attn_v in Q6_K beside Q4_K
+             * q and k) is two projections into the same rows of t */
+            linear_rows(&ly->qkv, M, hs, t, qkv_n, qs8, sas, cs, rep, ly->qkv_tail.n ? &ly->qkv_tail : &ly->o,
+                        L == 1 ? &more : NULL);
+            if (ly->qkv_tail.n)
+                linear_rows(&ly->qkv_tail, M, hs, t + ly->qkv.n, qkv_n, qs8, sas, cs, rep, &ly->o, NULL);
             if (m->qk_norm_all) { /* q/k norms over all heads of a row's projection at once */
 #pragma omp for schedule(static) nowait
                 for (int r = 0; r < M; r++) {
@@ -1616,7 +1622,7 @@ void kv_forward(const kv_model *m, int B, int L, const int64_t *ids, const int64
                 }
                 sync_team();
             }
-            linear_rows(&ly->o, M, a, t2, qs8, sas, cs, rep, &ly->up, NULL);
+            linear_rows(&ly->o, M, a, t2, H, qs8, sas, cs, rep, &ly->up, NULL);
             for (int r = r0; r < r1; r++) { /* x += o (post-normed into h first: t2 stays read-only here) */
                 const float *o = t2 + (size_t)r * H;
                 float *hr = hs + (size_t)r * H, *xr = xs + (size_t)r * H;
@@ -1625,14 +1631,14 @@ void kv_forward(const kv_model *m, int B, int L, const int64_t *ids, const int64
                 if (ly->mlp_norm) rmsnorm(xr, ly->mlp_norm, H, m->eps, m->unit_offset, hr);
                 else memcpy(hr, xr, sizeof(float) * H);
             }
-            linear_rows(&ly->up, M, hs, t, qs8, sas, cs, rep, &ly->down, NULL);
+            linear_rows(&ly->up, M, hs, t, up_n, qs8, sas, cs, rep, &ly->down, NULL);
             int I = m->inter, chunks = (I + 7) / 8;
 #pragma omp for schedule(static) collapse(2) nowait
             for (int r = 0; r < M; r++)
                 for (int ch = 0; ch < chunks; ch++)
                     act_chunk(m, t + (size_t)r * up_n, a + (size_t)r * I, ch * 8, ch * 8 + 8 < I ? ch * 8 + 8 : I);
             sync_team();
-            linear_rows(&ly->down, M, a, t2, qs8, sas, cs, rep,
+            linear_rows(&ly->down, M, a, t2, H, qs8, sas, cs, rep,
                         li + 1 < m->n_layers ? &m->layers[li + 1].qkv : &m->lm_head, NULL);
             for (int r = r0; r < r1; r++) {
                 const float *o = t2 + (size_t)r * H;
@@ -1646,7 +1652,7 @@ void kv_forward(const kv_model *m, int B, int L, const int64_t *ids, const int64
         span(rep, B, &b0, &b1);
         for (int b = b0; b < b1; b++)
             rmsnorm(xs + ((size_t)b * L + logit_index[b]) * H, m->final_norm, H, m->eps, m->unit_offset, hs + (size_t)b * H);
-        linear_rows(&m->lm_head, B, hs, logits, qs8, sas, cs, rep, NULL, NULL);
+        linear_rows(&m->lm_head, B, hs, logits, m->vocab, qs8, sas, cs, rep, NULL, NULL);
         if (m->logits_divisor != 1.f) {
 #pragma omp for schedule(static) nowait
             for (size_t i = 0; i < (size_t)B * m->vocab; i++) logits[i] /= m->logits_divisor;
