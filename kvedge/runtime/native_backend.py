@@ -364,6 +364,9 @@ class _GGUFWeights:
         else:
             lin.s = keep(torch.empty(figs, dtype=torch.int16))
             lin.mins = keep(torch.empty(figs, dtype=torch.int16) if affine else None)
+        for name in names:
+            t = g.tensors[name]
+            g.reader.populate(t.data_offset, t.data_offset + t.n_bytes)
         if self.dll.kv_pack_gguf(ctypes.byref(lin), GGUF_TYPES[kind], rows.ctypes.data, self.threads):
             raise KvedgeError(f"kv_pack_gguf refused {', '.join(names)} ({kind}, {n}x{k})")
         self._release(names)

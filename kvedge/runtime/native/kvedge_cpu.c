@@ -196,8 +196,12 @@ int kv_pack_mins(kv_linear *l, const uint16_t *mins, int group) {
     return 0;
 }
 
-/* IEEE half -> float (exact): normal, subnormal (renormalized), zero, inf / NaN */
+/* IEEE half -> float (exact): normal, subnormal (renormalized), zero, inf / NaN; F16C's conversion where the
+ * build has it (the same values) */
 static float half_to_float(uint16_t h) {
+#if KV_AVX2
+    return _cvtsh_ss(h);
+#else
     uint32_t sign = (uint32_t)(h >> 15) << 31, e = (h >> 10) & 31, m = h & 1023, bits;
     if (e == 31)
         bits = sign | 0x7F800000u | (m << 13);
@@ -213,6 +217,7 @@ static float half_to_float(uint16_t h) {
     float f;
     memcpy(&f, &bits, sizeof f);
     return f;
+#endif
 }
 
 /* GGUF blocks (llama.cpp's ggml-common.h layouts) packed into a linear's layout as they are: the same integers
@@ -243,8 +248,8 @@ static inline void gg_fifth(const uint8_t *qh, uint8_t *v) {
 
 /* Sub-block sb (channels 32 sb ..) of a GGUF row: its unsigned integers v and its figures (float16 scale and
  * min as stored, or a K-quant's float32 d * sc and -(dmin * m)). */
-static void gg_sub_block(int type, const uint8_t *row, int sb, uint8_t *v, uint16_t *s16, uint16_t *m16, float *s32,
-                         float *m32) {
+static inline __attribute__((always_inline)) void gg_sub_block(const int type, const uint8_t *row, int sb, uint8_t *v,
+                                                               uint16_t *s16, uint16_t *m16, float *s32, float *m32) {
     if (gg_type[type].block == 32) {
         const uint8_t *b = row + (size_t)sb * gg_type[type].bytes;
         *s16 = rd16(b);
@@ -283,12 +288,18 @@ static void gg_sub_block(int type, const uint8_t *row, int sb, uint8_t *v, uint1
 static void gg_pack_q6(kv_linear *l, int n, const uint8_t *row) {
     int8_t *dst = (int8_t *)l->q + (size_t)n * l->k;
     for (int c = 0; c < l->k / 256; c++) {
-        const uint8_t *b = row + (size_t)c * 210, *ql = b, *qh = b + 128;
+        const uint8_t *b = row + (size_t)c * 210;
         const int8_t *sc = (const int8_t *)(b + 192);
-        for (int e = 0; e < 256; e++) {
-            int h = e / 128, i = e % 128 / 32, j = e % 32;
-            int lo = (ql[h * 64 + (i & 1) * 32 + j] >> 4 * (i >> 1)) & 15, hi = (qh[h * 32 + j] >> 2 * i) & 3;
-            dst[c * 256 + e] = (int8_t)((lo | hi << 4) - 32);
+        for (int h = 0; h < 2; h++) {
+            const uint8_t *ql = b + h * 64, *qh = b + 128 + h * 32;
+            int8_t *o = dst + c * 256 + h * 128;
+            for (int j = 0; j < 32; j++) {
+                int l0 = ql[j], l1 = ql[32 + j], hb = qh[j];
+                o[j] = (int8_t)(((l0 & 15) | (hb & 3) << 4) - 32);
+                o[32 + j] = (int8_t)(((l1 & 15) | (hb >> 2 & 3) << 4) - 32);
+                o[64 + j] = (int8_t)(((l0 >> 4) | (hb >> 4 & 3) << 4) - 32);
+                o[96 + j] = (int8_t)(((l1 >> 4) | (hb >> 6) << 4) - 32);
+            }
         }
         size_t chunk = (size_t)n * sub_stride(l->k) + 8 * c;
         for (int s8 = 0; s8 < 8; s8++) { /* sub-block 8 c + s8: its A half, then its B half */
@@ -300,6 +311,74 @@ static void gg_pack_q6(kv_linear *l, int n, const uint8_t *row) {
     }
 }
 
+static inline uint32_t rd32(const uint8_t *p) {
+    uint32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
+/* A 4-bit type's sub-block as a tile lane's 4 words (kv_pack_tiles: word v holds channels 8 v + b in its low
+ * nibbles and 8 v + 4 + b in its high ones), built a word at a time from the block's nibble words: n[w] holds
+ * values 4 w .. 4 w + 3 (bytes), which Q4_0 / Q4_1 keep as the low then the high nibbles of 16 bytes, and Q4_K
+ * as one nibble of its run's 32 bytes. */
+static inline __attribute__((always_inline)) void gg_tile_lane(const int type, const uint8_t *row, int sb, uint8_t *lane,
+                                                               uint16_t *s16, uint16_t *m16, float *s32, float *m32) {
+    const uint32_t lo = 0x0F0F0F0Fu;
+    uint32_t n[8];
+    if (type == GG_Q4_K) {
+        const uint8_t *b = row + (size_t)(sb / 8) * gg_type[type].bytes, *q = b + 4;
+        int j = sb % 8, sc, mn;
+        if (j < 4)
+            sc = q[j] & 63, mn = q[j + 4] & 63;
+        else
+            sc = (q[j + 4] & 15) | ((q[j - 4] >> 6) << 4), mn = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+        *s32 = half_to_float(rd16(b)) * (float)sc;
+        *m32 = -(half_to_float(rd16(b + 2)) * (float)mn);
+        const uint8_t *qs = b + 16 + 32 * (j / 2);
+        for (int w = 0; w < 8; w++) n[w] = (rd32(qs + 4 * w) >> 4 * (j & 1)) & lo;
+    } else {
+        const uint8_t *b = row + (size_t)sb * gg_type[type].bytes, *qs = b + (type == GG_Q4_0 ? 2 : 4);
+        *s16 = rd16(b);
+        if (type == GG_Q4_1) *m16 = rd16(b + 2);
+        for (int w = 0; w < 4; w++) n[w] = rd32(qs + 4 * w) & lo, n[w + 4] = (rd32(qs + 4 * w) >> 4) & lo;
+    }
+    for (int v = 0; v < 4; v++) {
+        uint32_t word = n[2 * v] | n[2 * v + 1] << 4;
+        memcpy(lane + 32 * v, &word, 4);
+    }
+}
+
+/* Rows [u * per, (u + 1) * per) of l (per: TILE for tiles, else 1) from GGUF rows of a constant type (inlined
+ * per type, so the type's branches fold away) */
+static inline __attribute__((always_inline)) void gg_pack_unit(kv_linear *l, const int type, const uint8_t *const *rows,
+                                                               int u, int per) {
+    int nsb = l->k / SB;
+    uint8_t *dst = (uint8_t *)l->q;
+    for (int n = u * per; n < (u + 1) * per; n++)
+        for (int sb = 0; sb < nsb; sb++) {
+            uint8_t v[SB] = {0};
+            uint16_t s16 = 0, m16 = 0;
+            float s32 = 0.f, m32 = 0.f;
+            uint8_t *tq = per == TILE ? dst + ((size_t)(n / TILE) * nsb + sb) * 4 * 32 + (size_t)(n % TILE) * 4 : NULL;
+            if (n < l->n && tq)
+                gg_tile_lane(type, rows[n], sb, tq, &s16, &m16, &s32, &m32);
+            else if (n < l->n)
+                gg_sub_block(type, rows[n], sb, v, &s16, &m16, &s32, &m32);
+            size_t f = fig_at(l, n, sb);
+            if (l->s32)
+                l->s32[f] = s32, l->mins32[f] = m32;
+            else
+                l->s[f] = s16;
+            if (l->mins) l->mins[f] = m16;
+            if (tq) { /* a missing row of the last tile: zero */
+                if (n >= l->n)
+                    for (int vv = 0; vv < 4; vv++) memset(tq + 32 * vv, 0, 4);
+            } else {
+                memcpy(dst + (size_t)n * l->k + (size_t)sb * SB, v, SB);
+            }
+        }
+}
+
 int kv_pack_gguf(kv_linear *l, int type, const uint8_t *const *rows, int threads) {
     if (type < 0 || type >= GG_TYPES || l->k % gg_type[type].block || l->w) return -1;
     if (type == GG_Q6_K) {
@@ -309,30 +388,21 @@ int kv_pack_gguf(kv_linear *l, int type, const uint8_t *const *rows, int threads
         return 0;
     }
     if ((l->bits == 4) != (type == GG_Q4_0 || type == GG_Q4_1 || type == GG_Q4_K)) return -1;
-    int nsb = l->k / SB, u = tiled(l) ? TILE : 1, units = (l->n + u - 1) / u;
-    uint8_t *dst = (uint8_t *)l->q;
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int t = 0; t < units; t++)
-        for (int n = t * u; n < (t + 1) * u; n++)
-            for (int sb = 0; sb < nsb; sb++) {
-                uint8_t v[SB] = {0};
-                uint16_t s16 = 0, m16 = 0;
-                float s32 = 0.f, m32 = 0.f;
-                if (n < l->n) gg_sub_block(type, rows[n], sb, v, &s16, &m16, &s32, &m32);
-                size_t f = fig_at(l, n, sb);
-                if (l->s32)
-                    l->s32[f] = s32, l->mins32[f] = m32;
-                else
-                    l->s[f] = s16;
-                if (l->mins) l->mins[f] = m16;
-                if (tiled(l)) { /* lane n % TILE of the sub-block's 4 vectors (kv_pack_tiles) */
-                    uint8_t *tq = dst + ((size_t)(n / TILE) * nsb + sb) * 4 * 32 + (size_t)(n % TILE) * 4;
-                    for (int vv = 0; vv < 4; vv++)
-                        for (int b = 0; b < 4; b++) tq[32 * vv + b] = (uint8_t)(v[8 * vv + b] | v[8 * vv + 4 + b] << 4);
-                } else {
-                    memcpy(dst + (size_t)n * l->k + (size_t)sb * SB, v, SB);
-                }
-            }
+    int nsb = l->k / SB, per = tiled(l) ? TILE : 1, units = (l->n + per - 1) / per;
+#pragma omp parallel num_threads(threads)
+    {
+        int nt = omp_get_num_threads(), me = omp_get_thread_num();
+        int u0 = (int)((long long)units * me / nt), u1 = (int)((long long)units * (me + 1) / nt);
+#define GG_PACK(T)                                                                                                \
+    case T:                                                                                                       \
+        for (int u = u0; u < u1; u++) gg_pack_unit(l, T, rows, u, per);                                          \
+        break;
+        switch (type) {
+            GG_PACK(GG_Q8_0) GG_PACK(GG_Q4_0) GG_PACK(GG_Q4_1) GG_PACK(GG_Q5_0) GG_PACK(GG_Q5_1) GG_PACK(GG_Q4_K)
+            GG_PACK(GG_Q5_K)
+        }
+#undef GG_PACK
+    }
     if (!tiled(l)) /* the figures' padding to whole chunks of 8 sub-blocks */
         for (int n = 0; n < l->n; n++)
             for (int sb = nsb; sb < sub_stride(l->k); sb++) {
