@@ -20,6 +20,7 @@ pytestmark = pytest.mark.skipif(not c_compiler(), reason="the native engine need
 RUNNER = textwrap.dedent("""
     import json, resource, sys
     import torch
+    from kvedge.bench.latency import peak_rss
     from kvedge.runtime.native_backend import NativeBackend, compile_engine
     compile_engine()  # built (or found) before the baseline: the compiler's memory is not the model's
     def rss():
@@ -27,7 +28,7 @@ RUNNER = textwrap.dedent("""
             return int(f.read().split()[1]) * resource.getpagesize()
     before = rss()
     b = NativeBackend(sys.argv[1], max_seq_len=64, threads=2)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = peak_rss()  # VmHWM: Linux carries ru_maxrss over exec, so a child of a large process reports its parent's
     logits = b.forward(torch.tensor([[5, 6, 7]]), torch.arange(3)[None], torch.tensor([2]))
     print(json.dumps({"before": before, "peak": peak, "after": rss(),
                       "cache": sum(c.numel() * c.element_size() for c in b.caches),
