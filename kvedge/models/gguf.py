@@ -607,19 +607,6 @@ def load_decoder(path: str | Path, dtype: str | torch.dtype | None = None, devic
     return model.eval().requires_grad_(False)
 
 
-def tied_head(path: str | Path, model) -> nn.Module | None:
-    """The tied lm_head of a GGUF model as a QuantLinear over the file's own integers for the embedding (as
-    llama.cpp computes it), or None when the head is not tied or the embedding is a float tensor. The loaded
-    Decoder computes a tied head with the embedding's float values (the same numbers); a runtime whose 8-bit
-    kernels are fast (the native engine) sets this one as model.lm_head instead."""
-    g = open_gguf(path)
-    kind = g.type_name("token_embd.weight")
-    if not model.cfg.tie_embeddings or kind not in QUANT_TYPES:
-        return None
-    dtype = model.embed.weight.dtype
-    return _quant_linear(g, ("token_embd.weight",), kind, model.cfg, False, dtype, model.embed.weight.device)
-
-
 def _file_type(g: GGUFFile) -> str | None:
     v = g.value("general.file_type")
     if v is None:
