@@ -49,7 +49,7 @@ class Linear(ctypes.Structure):
                 ("zsym", ctypes.c_float), ("q", ctypes.c_void_p), ("s", ctypes.c_void_p), ("z", ctypes.c_void_p),
                 ("mins", ctypes.c_void_p), ("w", ctypes.c_void_p), ("bias", ctypes.c_void_p), ("planes", ctypes.c_int32),
                 ("s32", ctypes.c_void_p), ("mins32", ctypes.c_void_p), ("sc16", ctypes.c_void_p),
-                ("d256", ctypes.c_void_p)]
+                ("d256", ctypes.c_void_p), ("ksc", ctypes.c_void_p), ("kd", ctypes.c_void_p)]
 
 
 class Layer(ctypes.Structure):
@@ -359,6 +359,8 @@ class _GGUFWeights:
                      q=keep(torch.empty(figs * 16 if bits == 4 else n * k, dtype=torch.uint8)))
         if kind == "Q6_K":  # int8 scales per 16 channels, d per 256
             lin.sc16, lin.d256 = keep(torch.empty(2 * figs, dtype=torch.int8)), keep(torch.empty(figs // 8))
+        elif kind == "Q4_K":  # the file's 6-bit scales and mins, d and dmin per 256: d * sc computed in the kernel
+            lin.ksc, lin.kd = keep(torch.empty(2 * figs, dtype=torch.uint8)), keep(torch.empty(2 * (figs // 8)))
         elif kind.endswith("_K"):  # float32 d * sc and dmin * m
             lin.s32, lin.mins32 = keep(torch.empty(figs)), keep(torch.empty(figs))
         else:
@@ -544,10 +546,13 @@ class NativeBackend(CacheList):
         if first_row != self._first_row:
             self._point_at(first_row)
         ids, pos, idx = int64_inputs(input_ids, position_ids, logits_index)
-        p = pos.numpy()  # not torch.aminmax, which releases the GIL (int64_inputs)
+        p, t = pos.numpy(), ids.numpy()  # not torch.aminmax, which releases the GIL (int64_inputs)
         lo, hi = int(p.min()), int(p.max())  # the engine writes the cache at these: check them
         if lo < 0 or hi >= self.max_seq_len:
             raise KvedgeError(f"positions {lo}..{hi} are outside the cache [0, {self.max_seq_len})")
+        if t.min() < 0 or t.max() >= self.cfg.vocab_size:  # the engine reads the embedding's row at each
+            raise KvedgeError(f"token ids {int(t.min())}..{int(t.max())} are outside the vocabulary "
+                              f"[0, {self.cfg.vocab_size})")
         if self._switch is not None and (hi >= self._switch) != self._long:  # longrope: this call's set, as
             self._long = not self._long                                      # Decoder.forward picks it
             for ly in self._global:

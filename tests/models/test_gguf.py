@@ -405,8 +405,9 @@ def test_the_native_engine_runs_the_files_blocks(qtype, types, build, hf_model, 
     want_bits = {name: 6 if qtype == "Q6_K" or (types and name.endswith(("down", "lm_head"))) else
                  QUANT_TYPES[qtype][0] for name in packed}
     assert {name: lin.bits for name, lin in packed.items()} == want_bits
-    assert {name for name, lin in packed.items() if lin.s32} == (
-        {name for name, b in want_bits.items() if b != 6} if qtype in ("Q4_K", "Q5_K") else set())
+    k_figures = {name for name, b in want_bits.items() if b != 6} if qtype in ("Q4_K", "Q5_K") else set()
+    assert {name for name, lin in packed.items() if lin.ksc} == (k_figures if qtype == "Q4_K" else set())
+    assert {name for name, lin in packed.items() if lin.s32} == (k_figures if qtype == "Q5_K" else set())
     assert len(packed) == 4 * layers + 1
     tails = [ly.qkv_tail for ly in native._layers]
     assert [(t.n, t.bits) for t in tails] == [(native.cfg.num_kv_heads * native.cfg.head_dim, 6) if types else (0, 0)
@@ -451,3 +452,24 @@ def test_the_native_engine_looks_up_the_files_embedding_in_its_own_type(qtype, t
     assert native.cfg.tie_embeddings == tied
     if tied:  # the head reads the embedding's bytes
         assert (native.m.lm_head.q, native.m.lm_head.w) == (native.m.embed.q, native.m.embed.w)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("kvedge.runtime.native_backend") is None
+                    or not __import__("kvedge.runtime.native_backend", fromlist=["c_compiler"]).c_compiler(),
+                    reason="the native engine needs a C compiler")
+@pytest.mark.parametrize("build", [b for b in ("native", "avx2", "portable") if b in BUILDS])
+def test_q4_k_tiles_on_the_files_figures_compute_as_on_float32_ones(build, hf_model, gguf_file):
+    """Q4_K tiles keep the file's 6-bit scales and mins and d, dmin per 256 (ksc, kd) and compute d * sc and
+    -(dmin * m) in the kernel: the logits are bitwise those of the same integers with float32 figures packed
+    ahead (kv_pack_affine32, what a Decoder of the file gives the engine)."""
+    from kvedge.runtime.native_backend import NativeBackend
+
+    path = gguf_file("llama-256", "Q4_K")
+    ids = torch.randint(3, load_config(path).vocab_size, (1, PROMPT), generator=torch.Generator().manual_seed(5))
+    out = []
+    for model in (None, load_decoder(path, dtype="float32")):
+        b = NativeBackend(path, max_seq_len=PROMPT + 1, threads=2, model=model, flags=BUILDS[build])
+        assert bool(b._layers[0].up.ksc) == (model is None) and bool(b._layers[0].up.s32) == (model is not None)
+        out.append(b.forward(ids, torch.arange(PROMPT)[None], torch.tensor([PROMPT - 1]))[0, 0].clone())
+        out.append(b.forward(ids[:, :1], torch.tensor([[PROMPT]]), torch.tensor([0]))[0, 0].clone())
+    assert torch.equal(out[0], out[2]) and torch.equal(out[1], out[3])

@@ -294,6 +294,9 @@ def test_refusals(hf_checkpoint):
     b = NativeBackend(path, max_batch=1, max_seq_len=16)
     with pytest.raises(KvedgeError, match="outside the cache"):
         b.forward(torch.tensor([[5]]), torch.tensor([[16]]), torch.tensor([0]))
+    for bad in (-1, b.cfg.vocab_size):  # the engine would read past its embedding
+        with pytest.raises(KvedgeError, match=rf"token ids {bad}\.\.{bad} are outside the vocabulary"):
+            b.forward(torch.tensor([[bad]]), torch.tensor([[0]]), torch.tensor([0]))
     with pytest.raises(KvedgeError, match="exceeds max_batch"):
         b.forward(torch.tensor([[5], [6]]), torch.tensor([[0], [0]]), torch.tensor([0, 0]))
 

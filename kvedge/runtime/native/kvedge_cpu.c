@@ -98,6 +98,9 @@ typedef struct {
                                * per 16 channels [n][2 * sub_stride], per chunk of 8 sub-blocks the A halves' 8
                                * then the B halves' 8, in kv_slot order (q6_sums); NULL otherwise */
     float *d256;              /* bits 6: the super-block scale d per chunk of 8 sub-blocks [n][sub_stride / 8] */
+    uint8_t *ksc;             /* 4-bit tiles of GGUF's Q4_K, its figures as the file has them instead of s32 / mins32:
+                               * 6-bit scales then mins per sub-block ([kv_figures] each), */
+    float *kd;                /* and d then dmin per super-block ([kv_figures / 8] each, k_fig_at); NULL otherwise */
 } kv_linear;
 
 /* Per-sub-block figures (scales, zero points, activation scales) are stored per row with a stride of
@@ -141,6 +144,11 @@ static inline size_t fig_at(const kv_linear *l, int n, int sb) {
 /* figures a linear of n rows and k inputs stores per kind (scales, zero points, mins): for the Python side */
 size_t kv_figures(int n, int k, int bits) {
     return bits == 4 ? (size_t)((n + TILE - 1) / TILE * TILE) * (k / SB) : (size_t)n * sub_stride(k);
+}
+
+/* where row n's d (and, kv_figures / 8 further, dmin) of super-block sb / 8 is, for ksc tiles */
+static inline size_t k_fig_at(const kv_linear *l, int n, int sb) {
+    return ((size_t)(n / TILE) * (l->k / 256) + sb / 8) * TILE + n % TILE;
 }
 
 /* where an activation row's figures (scale, sum) of sub-block sb are, for a linear of `bits` */
@@ -218,6 +226,24 @@ static float half_to_float(uint16_t h) {
     memcpy(&f, &bits, sizeof f);
     return f;
 #endif
+}
+
+static inline int affine(const kv_linear *l) { return l->ksc || l->s32 || l->mins; }
+
+/* row n's scale of sub-block sb as float32 (a Q4_K tile's d * sc, computed as the file's dequantizer does) */
+static inline float fig_scale(const kv_linear *l, int n, int sb) {
+    size_t f = fig_at(l, n, sb);
+    if (l->ksc) return l->kd[k_fig_at(l, n, sb)] * (float)l->ksc[f];
+    return l->s32 ? l->s32[f] : half_to_float(l->s[f]);
+}
+
+/* row n's min of sub-block sb for an affine linear (a Q4_K tile's -(dmin * m)), else its zero point */
+static inline float fig_min(const kv_linear *l, int n, int sb) {
+    size_t f = fig_at(l, n, sb), figs = kv_figures(l->n, l->k, l->bits);
+    if (l->ksc) return -(l->kd[figs / 8 + k_fig_at(l, n, sb)] * (float)l->ksc[figs + f]);
+    if (l->s32) return l->mins32[f];
+    if (l->mins) return half_to_float(l->mins[f]);
+    return l->sym ? l->zsym : (float)l->z[f];
 }
 
 /* GGUF blocks (llama.cpp's ggml-common.h layouts) packed into a linear's layout as they are: the same integers
@@ -322,7 +348,7 @@ static inline uint32_t rd32(const uint8_t *p) {
  * values 4 w .. 4 w + 3 (bytes), which Q4_0 / Q4_1 keep as the low then the high nibbles of 16 bytes, and Q4_K
  * as one nibble of its run's 32 bytes. */
 static inline __attribute__((always_inline)) void gg_tile_lane(const int type, const uint8_t *row, int sb, uint8_t *lane,
-                                                               uint16_t *s16, uint16_t *m16, float *s32, float *m32) {
+                                                               uint16_t *s16, uint16_t *m16, int *k6, float *kdd) {
     const uint32_t lo = 0x0F0F0F0Fu;
     uint32_t n[8];
     if (type == GG_Q4_K) {
@@ -332,8 +358,7 @@ static inline __attribute__((always_inline)) void gg_tile_lane(const int type, c
             sc = q[j] & 63, mn = q[j + 4] & 63;
         else
             sc = (q[j + 4] & 15) | ((q[j - 4] >> 6) << 4), mn = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
-        *s32 = half_to_float(rd16(b)) * (float)sc;
-        *m32 = -(half_to_float(rd16(b + 2)) * (float)mn);
+        k6[0] = sc, k6[1] = mn, kdd[0] = half_to_float(rd16(b)), kdd[1] = half_to_float(rd16(b + 2));
         const uint8_t *qs = b + 16 + 32 * (j / 2);
         for (int w = 0; w < 8; w++) n[w] = (rd32(qs + 4 * w) >> 4 * (j & 1)) & lo;
     } else {
@@ -358,17 +383,23 @@ static inline __attribute__((always_inline)) void gg_pack_unit(kv_linear *l, con
         for (int sb = 0; sb < nsb; sb++) {
             uint8_t v[SB] = {0};
             uint16_t s16 = 0, m16 = 0;
-            float s32 = 0.f, m32 = 0.f;
+            float s32 = 0.f, m32 = 0.f, kdd[2] = {0.f, 0.f};
+            int k6[2] = {0, 0};
             uint8_t *tq = per == TILE ? dst + ((size_t)(n / TILE) * nsb + sb) * 4 * 32 + (size_t)(n % TILE) * 4 : NULL;
             if (n < l->n && tq)
-                gg_tile_lane(type, rows[n], sb, tq, &s16, &m16, &s32, &m32);
+                gg_tile_lane(type, rows[n], sb, tq, &s16, &m16, k6, kdd);
             else if (n < l->n)
                 gg_sub_block(type, rows[n], sb, v, &s16, &m16, &s32, &m32);
             size_t f = fig_at(l, n, sb);
-            if (l->s32)
+            if (l->ksc) { /* Q4_K: the file's 6-bit scale and min, d and dmin once a super-block */
+                size_t figs = kv_figures(l->n, l->k, 4), kf = k_fig_at(l, n, sb);
+                l->ksc[f] = (uint8_t)k6[0], l->ksc[figs + f] = (uint8_t)k6[1];
+                if (sb % 8 == 0) l->kd[kf] = kdd[0], l->kd[figs / 8 + kf] = kdd[1];
+            } else if (l->s32) {
                 l->s32[f] = s32, l->mins32[f] = m32;
-            else
+            } else {
                 l->s[f] = s16;
+            }
             if (l->mins) l->mins[f] = m16;
             if (tq) { /* a missing row of the last tile: zero */
                 if (n >= l->n)
@@ -388,6 +419,7 @@ int kv_pack_gguf(kv_linear *l, int type, const uint8_t *const *rows, int threads
         return 0;
     }
     if ((l->bits == 4) != (type == GG_Q4_0 || type == GG_Q4_1 || type == GG_Q4_K)) return -1;
+    if ((type == GG_Q4_K) != (l->ksc != NULL) || (l->ksc && !l->kd)) return -1;
     int nsb = l->k / SB, per = tiled(l) ? TILE : 1, units = (l->n + per - 1) / per;
 #pragma omp parallel num_threads(threads)
     {
@@ -444,10 +476,8 @@ void kv_weight_rows(const kv_linear *l, int count, const int64_t *ids, float sca
             } else {
                 memcpy(v, l->q + (size_t)n * k + (size_t)sb * SB, SB);
             }
-            size_t f = fig_at(l, (int)n, sb);
-            float s = l->s32 ? l->s32[f] : half_to_float(l->s[f]);
-            int aff = l->s32 || l->mins;
-            float mz = l->s32 ? l->mins32[f] : l->mins ? half_to_float(l->mins[f]) : l->sym ? l->zsym : (float)l->z[f];
+            float s = fig_scale(l, (int)n, sb), mz = fig_min(l, (int)n, sb);
+            int aff = affine(l);
             for (int e = 0; e < SB; e++) {
                 volatile float w = aff ? s * (float)v[e] : s * ((float)v[e] - mz);
                 o[sb * SB + e] = (aff ? w + mz : w) * scale;
@@ -597,6 +627,9 @@ static inline __m256i dot_u8s8(__m256i acc, __m256i u, __m256i s) {
 }
 
 static inline __m256 load_half8(const uint16_t *h) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)h)); }
+static inline __m256 load_u8x8(const uint8_t *p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
 
 static inline float hsum_f32(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -712,6 +745,7 @@ static inline __attribute__((always_inline)) void qtile_w(const int aff, const i
                                                           const float *const *c, float *out) {
     const int nsb = l->k / SB;
     const size_t f0 = (size_t)(n0 / TILE) * nsb * TILE; /* this tile's figures */
+    const size_t figs = aff == 3 ? kv_figures(l->n, l->k, 4) : 0;
     const uint8_t *q = l->q + (size_t)n0 * l->k / 2;
     const __m256i m = _mm256_set1_epi8(0x0F);
     const __m256 zs = _mm256_set1_ps(l->zsym);
@@ -738,8 +772,12 @@ static inline __attribute__((always_inline)) void qtile_w(const int aff, const i
             }
         }
         const size_t f = f0 + (size_t)sb * TILE;
-        __m256 w = aff == 2 ? _mm256_loadu_ps(l->s32 + f) : load_half8(l->s + f);
-        __m256 mn = aff == 2 ? _mm256_loadu_ps(l->mins32 + f) /* the mins, or the zero points */
+        const size_t kf = aff == 3 ? k_fig_at(l, n0, sb) : 0;
+        __m256 w = aff == 3 ? _mm256_mul_ps(_mm256_loadu_ps(l->kd + kf), load_u8x8(l->ksc + f))
+                   : aff == 2 ? _mm256_loadu_ps(l->s32 + f) : load_half8(l->s + f);
+        __m256 mn = aff == 3 ? _mm256_xor_ps(_mm256_mul_ps(_mm256_loadu_ps(l->kd + figs / 8 + kf), load_u8x8(l->ksc + figs + f)),
+                                             _mm256_set1_ps(-0.f)) /* -(dmin * m), as the packer of s32 */
+                    : aff == 2 ? _mm256_loadu_ps(l->mins32 + f) /* the mins, or the zero points */
                     : aff == 1 ? load_half8(l->mins + f)
                     : l->sym   ? zs
                                : _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(l->z + f))));
@@ -818,7 +856,8 @@ static inline __attribute__((always_inline)) void q6_rows_w(const kv_linear *l, 
     }
 }
 
-/* The instances of one kind of zero point (AFF: 0 uint8 or symmetric, 1 affine float16, 2 affine float32) */
+/* The instances of one kind of zero point (AFF: 0 uint8 or symmetric, 1 affine float16, 2 affine float32, 3 a Q4_K
+ * tile's own figures, d * sc and -(dmin * m) computed per sub-block) */
 #define QDOT_ROWS_OF(AFF)                                                                                         \
     if (rm == 2)                                                                                                  \
         qdot_rows_w(AFF, l, 2, n0, xq, sa, c, out);                                                               \
@@ -852,7 +891,9 @@ static void qdot_rows(const kv_linear *l, int rm, int n0, const int8_t *const *x
 /* a 4-bit linear's tile at row n0 against rm (1 to TILE_RM) activation rows */
 static void qtile(const kv_linear *l, int rm, int n0, const int8_t *const *xq, const float *const *sa,
                   const float *const *c, float *out) {
-    if (l->s32) {
+    if (l->ksc) {
+        QTILE_OF(3)
+    } else if (l->s32) {
         QTILE_OF(2)
     } else if (l->mins) {
         QTILE_OF(1)
@@ -890,15 +931,12 @@ static float qdot_one(const kv_linear *l, int n, const int8_t *xq, const float *
             }
             for (int t = 0; t < 16; t++) d += qq[swap + t] * base[off + t] + qq[(16 ^ swap) + t] * base[half + off + t];
         }
-        size_t f = fig_at(l, n, sb);
         int slot = act_slot(sb, l->bits);
-        float w = l->s32 ? l->s32[f] : half_to_float(l->s[f]);
-        if (l->mins || l->s32) {
-            y += w * (sa[slot] * (float)d) + (l->s32 ? l->mins32[f] : half_to_float(l->mins[f])) * c[slot];
-            continue;
-        }
-        float z = l->sym ? l->zsym : l->z[f];
-        y += w * (sa[slot] * (float)d - z * c[slot]);
+        float w = fig_scale(l, n, sb), mz = fig_min(l, n, sb);
+        if (affine(l))
+            y += w * (sa[slot] * (float)d) + mz * c[slot];
+        else
+            y += w * (sa[slot] * (float)d - mz * c[slot]);
     }
     return y;
 }
@@ -1017,6 +1055,12 @@ static inline void fetch_rows(const kv_linear *l, int n0, int n1) {
     fetch_span(l->q + (size_t)n0 * rb, (size_t)(n1 - n0) * rb);
     if (l->sc16) {
         fetch_span(l->sc16 + 2 * at, 2 * figs);
+        return;
+    }
+    if (l->ksc) {
+        size_t all = kv_figures(l->n, l->k, 4);
+        fetch_span(l->ksc + at, figs), fetch_span(l->ksc + all + at, figs);
+        fetch_span(l->kd + at / 8, sizeof(float) * figs / 8), fetch_span(l->kd + all / 8 + at / 8, sizeof(float) * figs / 8);
         return;
     }
     if (l->s32) {
@@ -1202,7 +1246,7 @@ typedef struct {
 #define MOD(f) KV_FIELD(kv_model, f)
 static const kv_layout_entry kv_layout_table[] = {
     KV_STRUCT(kv_linear), LIN(n), LIN(k), LIN(bits), LIN(sym), LIN(zsym), LIN(q), LIN(s), LIN(z), LIN(mins), LIN(w),
-    LIN(bias), LIN(planes), LIN(s32), LIN(mins32), LIN(sc16), LIN(d256),
+    LIN(bias), LIN(planes), LIN(s32), LIN(mins32), LIN(sc16), LIN(d256), LIN(ksc), LIN(kd),
     KV_STRUCT(kv_layer), LAY(attn_norm), LAY(mlp_norm), LAY(q_norm), LAY(k_norm), LAY(post_attn_norm),
     LAY(post_mlp_norm), LAY(qkv), LAY(o), LAY(up), LAY(down), LAY(window), LAY(k_cache), LAY(v_cache), LAY(k_scale),
     LAY(v_scale), LAY(k_inv), LAY(v_inv), LAY(cos), LAY(sin), LAY(qkv_tail),
