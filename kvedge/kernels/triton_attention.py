@@ -22,6 +22,8 @@ Runs on CUDA GPUs, and on the CPU under TRITON_INTERPRET=1 (how CI tests it).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -178,6 +180,12 @@ def _pow2(n: int, least: int = 16) -> int:
 PREFILL_BLOCKS = {"BLOCK_M": 16, "BLOCK_N": 16}
 
 
+@functools.lru_cache(maxsize=None)
+def _multiprocessors(device: torch.device) -> int:
+    """The device's streaming multiprocessors (8 where there are none: Triton's CPU interpreter)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
+
+
 def _tables(rope, like):
     """(cos, sin, HALF) for the kernels: contiguous tables, or q itself as a never-read placeholder."""
     if rope is None:
@@ -201,12 +209,15 @@ def decode(q, k_cache, v_cache, lens, scale, window=0, softcap=0.0, split_len=No
     b, hq, _, d = q.shape
     hkv, s_max = k_cache.shape[1], k_cache.shape[2]
     g = hq // hkv
-    split_len = split_len or max(64, triton.next_power_of_2(triton.cdiv(int(lens.max()), 8)))
+    # enough programs to keep every multiprocessor streaming (b * hkv alone is a few dozen), sized from the
+    # cache, not from lens: reading lens.max() on the host would wait for the GPU at every step
+    want = triton.cdiv(4 * _multiprocessors(q.device), b * hkv)
+    split_len = split_len or max(64, triton.next_power_of_2(triton.cdiv(s_max, want)))
     splits = triton.cdiv(s_max, split_len)
     bd = _pow2(d)
-    m = torch.full((b, hq, splits), float("-inf"), device=q.device)
-    lsum = torch.zeros((b, hq, splits), device=q.device)
-    acc = torch.zeros((b, hq, splits, bd), device=q.device)
+    m = torch.empty((b, hq, splits), device=q.device)  # every split writes its entries, an empty one (-inf, 0, 0)
+    lsum = torch.empty((b, hq, splits), device=q.device)
+    acc = torch.empty((b, hq, splits, bd), device=q.device)
     qs = q[:, :, 0]
     cos, sin, half = _tables(rope, q)
     _decode[(b, hkv, splits)](qs, k_cache, v_cache, lens, cos, sin, m, lsum, acc, scale, softcap, window, d, g,
