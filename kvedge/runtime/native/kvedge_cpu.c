@@ -17,7 +17,10 @@
  * Affine blocks (GGUF's Q4_1: w = q * d + m, d and m float16) run as they are, without re-rounding the
  * weights: y[n] = sum_sb sw * sa * dot(q, xq) + m * sa * sum(xq), with the file's float16 mins (l->mins), or,
  * for K-quants (Q4_K, Q5_K: scale d * sc and min dmin * m, not float16 values), float32 scales and mins
- * (l->s32, l->mins32).
+ * (l->s32, l->mins32), or, for Q4_K tiles packed from a file, its own 6-bit figures and d, dmin (l->ksc, l->kd),
+ * the same products computed in the kernel. GGUF's Q6_K (a scale per 16 channels) is its own format, bits 6
+ * (l->sc16, l->d256; q6_rows_w). A GGUF file's blocks are packed into these layouts by kv_pack_gguf, and an
+ * embedding is looked up in its packed form (kv_weight_rows).
  * For speed, a 4-bit kernel call computes a tile of 8 rows against 1 to 4 activation rows: each weight vector
  * is unpacked once for all of them and meets 4 activations broadcast to every lane, so the lanes' sums are the
  * 8 rows' own (no horizontal add): fewer instructions per multiply-add than the row kernel, most of all for
@@ -96,7 +99,7 @@ typedef struct {
                                * instead of s and mins; NULL otherwise */
     int8_t *sc16;             /* bits 6 (GGUF's Q6_K, kv_pack_gguf): q holds signed q - 32 as bytes [n][k]; scales
                                * per 16 channels [n][2 * sub_stride], per chunk of 8 sub-blocks the A halves' 8
-                               * then the B halves' 8, in kv_slot order (q6_sums); NULL otherwise */
+                               * then the B halves' 8, in kv_slot order (q6_rows_w); NULL otherwise */
     float *d256;              /* bits 6: the super-block scale d per chunk of 8 sub-blocks [n][sub_stride / 8] */
     uint8_t *ksc;             /* 4-bit tiles of GGUF's Q4_K, its figures as the file has them instead of s32 / mins32:
                                * 6-bit scales then mins per sub-block ([kv_figures] each), */
