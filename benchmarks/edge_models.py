@@ -9,6 +9,9 @@ file's tokenizer), quantized by llama.cpp's own quantizer (llama_model_quantize)
 once under --work (several GB: never in the repository or CI). PY is a Python with llama-cpp-python (its own
 venv, never a kvedge dependency).
 
+--export also times `kvedge export FILE -o DIR` (ONNX Runtime's `ort` lowering, the file's integers, verified
+against PyTorch as every export is) once per file in a fresh process: wall time and peak resident memory.
+
 Each measurement is a fresh process per runtime, interleaved (llama.cpp, kvedge, llama.cpp, ...), --repeat
 rounds, medians. Both run the same prompt ids with the same context (prompt + gen + 8) and a float16 KV cache
 (llama.cpp's default; kvedge kv_dtype fp16), greedy, --threads threads. "ready" is from the runner's first line
@@ -51,6 +54,12 @@ KVEDGE = COMMON + textwrap.dedent("""
     print(json.dumps({"imports_s": t1 - T0, "ready_s": t2 - t1, "prefill_s": r.prefill_s,
                       "decode_tps": r.decode_tokens_per_s,
                       "peak_mb": peak_mb()}))
+""")
+
+EXPORT = COMMON + textwrap.dedent("""
+    from kvedge.cli import main
+    rc = main(["export", sys.argv[1], "-o", sys.argv[2]])
+    print(json.dumps({"rc": rc, "export_s": time.perf_counter() - T0, "peak_mb": peak_mb()}))
 """)
 
 LLAMACPP = COMMON + textwrap.dedent("""
@@ -108,6 +117,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--prompt", type=int, default=128)
     p.add_argument("--gen", type=int, default=64)
+    p.add_argument("--export", action="store_true", help="also time kvedge export of each file (slow: minutes, GBs)")
     a = p.parse_args()
     from kvedge.models.demo import write_random_gguf
 
@@ -126,6 +136,7 @@ def main() -> None:
             files.append((preset, q, out))
     (work / "kvedge_runner.py").write_text(KVEDGE)
     (work / "llamacpp_runner.py").write_text(LLAMACPP)
+    (work / "export_runner.py").write_text(EXPORT)
     args = [str(a.prompt), str(a.gen), str(a.threads)]
     print(f"prompt {a.prompt}, generate {a.gen}, {a.threads} threads, float16 caches, median of {a.repeat} "
           f"interleaved fresh processes")
@@ -154,6 +165,18 @@ def main() -> None:
                   f"{m['peak_mb'] / base['peak_mb']:.2f}x | {m['imports_s']:.2f} | {m['ready_s']:.2f} |")
         print(f"read bandwidth {bw / 1e9:.1f} GB/s (rounds: {', '.join(f'{b / 1e9:.1f}' for b in bws)}), "
               f"tensor bytes {nbytes / 1e6:.0f} MB", flush=True)
+        if a.export:
+            import shutil
+
+            out = work / f"{path.stem}.onnx"
+            shutil.rmtree(out, ignore_errors=True)
+            r = subprocess.run([sys.executable, str(work / "export_runner.py"), str(path), str(out)], capture_output=True,
+                               text=True)
+            e = json.loads(r.stdout.strip().splitlines()[-1]) if r.stdout.strip() else {"rc": r.returncode}
+            print(f"export of {path.name}: exit {e['rc']}, {e.get('export_s', 0):.0f} s, peak "
+                  f"{e.get('peak_mb', 0):.0f} MB ({e.get('peak_mb', 0) * 1e6 / nbytes:.1f}x the tensor bytes)"
+                  + (f"\n{r.stderr[-1500:]}" if e["rc"] else ""), flush=True)
+            shutil.rmtree(out, ignore_errors=True)
 
 
 if __name__ == "__main__":
