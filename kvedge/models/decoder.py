@@ -181,7 +181,8 @@ class Decoder(nn.Module):
         key = (length, dtype, self.inv_freq.device)
         if self._tables is not None and self._tables[0] == key:
             return self._tables[1]
-        tables = rope.all_tables(self.cfg, {n: getattr(self, n) for n in rope.buffers(self.cfg)}, length, dtype)
+        freqs = {n: b for n, b in self.named_buffers(recurse=False) if n.startswith("inv_freq")}
+        tables = rope.all_tables(self.cfg, freqs, length, dtype)
         if not (torch.compiler.is_compiling() or torch.compiler.is_exporting()):
             self._tables = (key, tables)
         return tables

@@ -443,9 +443,8 @@ class NativeBackend(CacheList):
         self.max_batch, self.max_seq_len = max_batch, max_seq_len
         self.threads = threads or torch.get_num_threads()
         gguf_file = model is None and str(model_dir).endswith(".gguf")
-        cfg = self.cfg = load_config(model_dir) if gguf_file else model.cfg if model is not None else None
-        if cfg is not None:  # refused before any weight is read
-            _refuse(cfg)
+        cfg = self.cfg = model.cfg if model is not None else load_config(model_dir)
+        _refuse(cfg)  # before any weight is read
         if kv_dtype == "int8" and kv_scales is None:  # calibrated through the (quantized) model, then let go
             from kvedge.runtime.calibration import builtin_kv_scales
 
@@ -462,8 +461,6 @@ class NativeBackend(CacheList):
         else:
             if model is None:
                 model = self._decoder(model_dir, quantize, group_size, quantize_lm_head, symmetric)
-            cfg = self.cfg = model.cfg
-            _refuse(cfg)
             weights = _DecoderWeights(model, self.dll, keep, activations)
         self.kv_scales = None
         if kv_dtype == "int8":

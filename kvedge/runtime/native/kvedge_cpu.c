@@ -275,6 +275,14 @@ static inline void gg_fifth(const uint8_t *qh, uint8_t *v) {
     for (int e = 0; e < 32; e++) v[e] |= (uint8_t)(((h >> e) & 1) << 4);
 }
 
+/* A K-quant super-block's 6-bit scale and min of sub-block j (0..7) from its 12 bytes q (ggml's get_scale_min_k4) */
+static inline void gg_k_scale_min(const uint8_t *q, int j, int *sc, int *mn) {
+    if (j < 4)
+        *sc = q[j] & 63, *mn = q[j + 4] & 63;
+    else
+        *sc = (q[j + 4] & 15) | ((q[j - 4] >> 6) << 4), *mn = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+}
+
 /* Sub-block sb (channels 32 sb ..) of a GGUF row: its unsigned integers v and its figures (float16 scale and
  * min as stored, or a K-quant's float32 d * sc and -(dmin * m)). */
 static inline __attribute__((always_inline)) void gg_sub_block(const int type, const uint8_t *row, int sb, uint8_t *v,
@@ -294,18 +302,14 @@ static inline __attribute__((always_inline)) void gg_sub_block(const int type, c
             *m16 = rd16(b + 2), gg_nibbles(b + 8, v), gg_fifth(b + 4, v);
         return;
     }
-    const uint8_t *b = row + (size_t)(sb / 8) * gg_type[type].bytes, *q = b + 4; /* q: the 12 bytes of 6-bit figures */
+    /* Q5_K (Q4_K is always tiled: gg_tile_lane) */
+    const uint8_t *b = row + (size_t)(sb / 8) * gg_type[type].bytes;
     int j = sb % 8, sc, mn;
-    if (j < 4)
-        sc = q[j] & 63, mn = q[j + 4] & 63;
-    else
-        sc = (q[j + 4] & 15) | ((q[j - 4] >> 6) << 4), mn = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+    gg_k_scale_min(b + 4, j, &sc, &mn);
     *s32 = half_to_float(rd16(b)) * (float)sc;
     *m32 = -(half_to_float(rd16(b + 2)) * (float)mn);
-    const uint8_t *qs = b + (type == GG_Q4_K ? 16 : 48) + 32 * (j / 2); /* sub-blocks 2i, 2i + 1: one run's nibbles */
-    for (int e = 0; e < 32; e++) v[e] = (qs[e] >> 4 * (j & 1)) & 15;
-    if (type == GG_Q5_K)
-        for (int e = 0; e < 32; e++) v[e] |= (uint8_t)(((b[16 + e] >> j) & 1) << 4);
+    const uint8_t *qs = b + 48 + 32 * (j / 2); /* sub-blocks 2i, 2i + 1: one run's nibbles */
+    for (int e = 0; e < 32; e++) v[e] = ((qs[e] >> 4 * (j & 1)) & 15) | (uint8_t)(((b[16 + e] >> j) & 1) << 4);
 }
 
 /* Pack l (n, k, bits, sym / zsym and its buffers set by the caller: q, and s (+ mins) or s32 + mins32, of
@@ -355,13 +359,10 @@ static inline __attribute__((always_inline)) void gg_tile_lane(const int type, c
     const uint32_t lo = 0x0F0F0F0Fu;
     uint32_t n[8];
     if (type == GG_Q4_K) {
-        const uint8_t *b = row + (size_t)(sb / 8) * gg_type[type].bytes, *q = b + 4;
-        int j = sb % 8, sc, mn;
-        if (j < 4)
-            sc = q[j] & 63, mn = q[j + 4] & 63;
-        else
-            sc = (q[j + 4] & 15) | ((q[j - 4] >> 6) << 4), mn = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
-        k6[0] = sc, k6[1] = mn, kdd[0] = half_to_float(rd16(b)), kdd[1] = half_to_float(rd16(b + 2));
+        const uint8_t *b = row + (size_t)(sb / 8) * gg_type[type].bytes;
+        int j = sb % 8;
+        gg_k_scale_min(b + 4, j, &k6[0], &k6[1]);
+        kdd[0] = half_to_float(rd16(b)), kdd[1] = half_to_float(rd16(b + 2));
         const uint8_t *qs = b + 16 + 32 * (j / 2);
         for (int w = 0; w < 8; w++) n[w] = (rd32(qs + 4 * w) >> 4 * (j & 1)) & lo;
     } else {
