@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -183,14 +184,27 @@ def cmd_serve(args) -> int:
 def cmd_export(args) -> int:
     from kvedge.export import ExportOptions, export
 
-    opts = ExportOptions(dtype=args.dtype, attention=args.attention, max_seq_len=args.max_seq_len,
+    target = {}
+    if args.trt_version:  # the lowering and weight form that TensorRT builds (kvedge.tensorrt.versions)
+        from kvedge.models import load_config
+        from kvedge.tensorrt.versions import export_recipe
+
+        cfg = load_config(args.model)
+        inputs = {cfg.hidden_size, cfg.intermediate_size, cfg.num_heads * cfg.out_head_dim, cfg.q_lora_rank or 0}
+        target = export_recipe(args.trt_version, args.quantize, inputs - {0}, args.attention)
+        if args.group_size is not None and args.quantize:
+            target["group_size"] = args.group_size
+        if not args.quiet:
+            print(f"TensorRT {args.trt_version}: " + ", ".join(f"{k} {v}" for k, v in target.items()), file=sys.stderr)
+    opts = ExportOptions(dtype=args.dtype, attention=args.attention or "ort", max_seq_len=args.max_seq_len,
                          max_batch=args.max_batch, force=args.force, verify=not args.no_verify,
-                         verify_steps=args.verify_steps, quantize=args.quantize, group_size=args.group_size,
+                         verify_steps=args.verify_steps, quantize=args.quantize,
+                         group_size=32 if args.group_size is None else args.group_size,
                          quantize_lm_head=args.quantize_lm_head, allow_degraded=args.allow_degraded,
                          accuracy_level=args.accuracy_level, quant_method=args.method, symmetric=args.symmetric,
                          calibration_text=args.calibration_text, calibration_tokens=args.calibration_tokens,
-                         eval_text=args.eval_text,
-                         kv_dtype=args.kv_dtype)
+                         eval_text=args.eval_text, kv_dtype=args.kv_dtype)
+    opts = dataclasses.replace(opts, **target)
     sidecar = export(args.model, args.out, opts, progress=None if args.quiet else
                      (lambda m: print(m, file=sys.stderr, flush=True)))
     if args.json:
@@ -552,8 +566,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("model", help="Hugging Face checkpoint directory")
     s.add_argument("-o", "--out", required=True, help="output folder")
     s.add_argument("--dtype", choices=("fp32", "fp16", "bf16"), default="fp32")
-    s.add_argument("--attention", choices=list(LOWERINGS), default="ort",
-                   help="attention lowering: " + "; ".join(f"{n}: {low.summary}" for n, low in LOWERINGS.items()))
+    s.add_argument("--attention", choices=list(LOWERINGS),
+                   help="attention lowering (default ort, or what --trt-version builds): "
+                        + "; ".join(f"{n}: {low.summary}" for n, low in LOWERINGS.items()))
+    s.add_argument("--trt-version", metavar="X.Y",
+                   help="the TensorRT the graph is for (e.g. 10.3 on JetPack 6, 10.13 on JetPack 7): picks the "
+                        "lowering and the weight form it builds (int4 blocks of 128 or 64 from 10.0, per-channel "
+                        "int8), symmetric; a GGUF file's 4-bit blocks are kept, its other types requantized "
+                        "(docs/tensorrt.md)")
     s.add_argument("--max-seq-len", type=int, default=2048, help="cache length (default 2048)")
     s.add_argument("--max-batch", type=int, default=4, help="largest batch the runtime will bind (default 4)")
     s.add_argument("--force", action="store_true", help="overwrite a non-empty output folder")
@@ -580,7 +600,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--eval-text", metavar="FILE",
                    help="UTF-8 text the quality report (perplexity, top-1 against the unquantized model) measures on; "
                         "default: a built-in English text disjoint from the calibration text")
-    s.add_argument("--group-size", type=int, default=32, help="quantization group size (default 32)")
+    s.add_argument("--group-size", type=int,
+                   help="quantization group size (default 32; with --trt-version as it says); 0: per channel")
     s.add_argument("--quantize-lm-head", action="store_true",
                    help="quantize the lm_head too (tied embeddings: a quantized copy; the embedding stays fp)")
     s.add_argument("--accuracy-level", type=int, choices=(0, 1, 2, 3, 4), default=0,

@@ -76,13 +76,14 @@ def to_onnx(decoder: Decoder, lowering: str, max_seq_len: int, kv_scales=None):
         import kvedge.models.quant  # noqa: F401  (registers torch.ops.kvedge.qlinear)
 
         table[torch.ops.kvedge.qlinear.default] = low.translate_qlinear
+    opset = graph_opset(decoder, low)
     program = _quiet_export(lambda: torch.onnx.export(
         ExportGraph(decoder, kv_scales).eval(), args, dynamo=True, dynamic_shapes=dynamic,
         input_names=input_names(cfg.num_layers), output_names=output_names(cfg.num_layers),
         custom_translation_table=table,
-        opset_version=max(low.opset, 18), optimize=True, verbose=False))
+        opset_version=max(opset, 18), optimize=True, verbose=False))
     proto = program.model_proto
-    if low.opset < 18:
+    if opset < 18:
         from kvedge.export.opset17 import downgrade_to_17
 
         proto = downgrade_to_17(proto)
@@ -90,6 +91,18 @@ def to_onnx(decoder: Decoder, lowering: str, max_seq_len: int, kv_scales=None):
         low.finalize(proto)
     _name_dynamic_axes(proto)
     return proto
+
+
+def graph_opset(decoder: Decoder, low) -> int:
+    """The lowering's opset, or the higher one its quantized weights need (the DequantizeLinear form: 21 for INT4
+    or blocks)."""
+    from kvedge.models.quant import QuantLinear
+
+    quant = [m for m in decoder.modules() if isinstance(m, QuantLinear)]
+    if not quant:
+        return low.opset
+    blocked = any(m.qweight.shape[1] > 1 for m in quant)
+    return max(low.opset, low.weights_opset({m.bits for m in quant}, blocked))
 
 
 def _name_dynamic_axes(proto) -> None:
@@ -146,15 +159,22 @@ def export(model_dir: str | Path, out_dir: str | Path, options: ExportOptions | 
     say(f"loading {model_dir} ({cfg.arch}, {cfg.num_layers} layers, {cfg.num_heads}/{cfg.num_kv_heads} heads)")
     decoder = load_decoder(model_dir, dtype=torch_dtype(o.dtype))
     pre = getattr(decoder, "prequantized", None)  # AWQ / GPTQ / GGUF: the loader made its QuantLinears
+    requantized = 0
     if pre is not None:
         prepare.check_loaded_quant(decoder, o, low)
         quant, calibration = prepare.prequantized_record(decoder, o, say), None
+        if o.requantize:
+            requantized = prepare.requantize(decoder, o, say)
+            if requantized:
+                quant.update(source_scheme=quant["scheme"], scheme=o.requantize, requantized={
+                    "linears": requantized, "group_size": o.group_size, "symmetric": True})
     else:
         quant, calibration = prepare.quantize(decoder, model_dir, o, say) if o.quantize else (None, None)
     kv_scales, cache_record = None, {}
     if o.kv_dtype == "int8":
         kv_scales, cache_record, calibration = prepare.calibrate_kv(decoder, model_dir, o, calibration, say)
-    say(f"tracing to ONNX: lowering {low.name!r}, opset {low.opset}, {o.dtype}, max_seq_len {o.max_seq_len}"
+    opset = graph_opset(decoder, low)
+    say(f"tracing to ONNX: lowering {low.name!r}, opset {opset}, {o.dtype}, max_seq_len {o.max_seq_len}"
         + (", int8 KV cache" if kv_scales is not None else ""))
     proto = to_onnx(decoder, low.name, o.max_seq_len, kv_scales)
     onnx_path = out_dir / "model.onnx"
@@ -175,7 +195,7 @@ def export(model_dir: str | Path, out_dir: str | Path, options: ExportOptions | 
 
     inputs, outputs = io_spec(cfg, o.dtype, o.max_seq_len, o.kv_dtype)
     requires = {"onnxruntime": ".".join(map(str, low.min_onnxruntime))} if low.min_onnxruntime else {}
-    sidecar = Sidecar(model=cfg, lowering=low.name, dtype=o.dtype, opset=low.opset, max_seq_len=o.max_seq_len,
+    sidecar = Sidecar(model=cfg, lowering=low.name, dtype=o.dtype, opset=opset, max_seq_len=o.max_seq_len,
                       max_batch=o.max_batch, inputs=inputs, outputs=outputs, external_data=external,
                       extra={"source_checkpoint": str(model_dir.resolve()), "quantization": quant},
                       plugins=list(low.plugins), requires=requires)
@@ -191,7 +211,8 @@ def export(model_dir: str | Path, out_dir: str | Path, options: ExportOptions | 
         say(f"verifying on ONNX Runtime CPU against PyTorch: {o.verify_prompt_len}-token prompt + "
             f"{o.verify_steps} decode steps")
         # a pre-quantized checkpoint has no unquantized model: the graph is compared with the quantized one only
-        reference = load_decoder(model_dir, dtype=torch_dtype(o.dtype)) if quant and pre is None else None
+        reference = (load_decoder(model_dir, dtype=torch_dtype(o.dtype)) if quant and (pre is None or requantized)
+                     else None)
         tolerance = o.tolerance
         if tolerance is None and quant and o.accuracy_level:
             tolerance = {"max_rel": None, "min_cosine": 0.999}  # int8 activations: compared by cosine only

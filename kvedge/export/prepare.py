@@ -40,6 +40,10 @@ class ExportOptions:
     allow_degraded: bool = False  # a quantized export below its top-1 threshold is written anyway
     accuracy_level: int = 0  # MatMulNBits compute: 0 as the weights' dtype allows, 4 int8 activations (faster)
     kv_dtype: str | None = None  # None: the cache has --dtype; "int8": per-channel scales calibrated on the text
+    # a model that came quantized (GGUF): its linears in a form the target cannot build (anything but 4-bit blocks
+    # when "int4"; anything but whole-row int8 when "int8") are requantized to this scheme, symmetric, group_size
+    # (0: per channel); set by the CLI's --trt-version from kvedge.tensorrt.versions.export_recipe
+    requantize: str | None = None
 
 
 def check_options(model_dir: Path, out_dir: Path, o: ExportOptions, cfg, low: Lowering) -> None:
@@ -79,8 +83,10 @@ def check_options(model_dir: Path, out_dir: Path, o: ExportOptions, cfg, low: Lo
         reasons = low.unsupported_quant(QUANT_BITS[o.quantize])
         if reasons:
             raise KvedgeError(f"the {low.name!r} lowering cannot export {o.quantize} weights: {'; '.join(reasons)}")
-        if o.group_size not in (16, 32, 64, 128, 256):
-            raise KvedgeError(f"--group-size {o.group_size}: expected 16, 32, 64, 128 or 256")
+        if o.group_size not in (0, 16, 32, 64, 128, 256):
+            raise KvedgeError(f"--group-size {o.group_size}: expected 16, 32, 64, 128 or 256, or 0 (per channel)")
+        if o.group_size == 0 and o.quant_method != "rtn":
+            raise KvedgeError("--group-size 0 (per channel) is round-to-nearest only: drop --method gptq")
         if o.quant_method not in QUANT_METHODS:
             raise KvedgeError(f"--method {o.quant_method!r}: expected {' or '.join(QUANT_METHODS)}")
     if out_dir.exists() and any(out_dir.iterdir()) and not o.force:
@@ -159,6 +165,41 @@ def prequantized_record(decoder: Decoder, o: ExportOptions, say: Callable[[str],
     say(f"pre-quantized model: {record['linears']} {record['method']} linears, {record['scheme']}, kept as they "
         f"are (no re-rounding)")
     return record
+
+
+def requantize(decoder: Decoder, o: ExportOptions, say: Callable[[str], None]) -> int:
+    """Requantize, in place, the projections of a model that came quantized whose form o.requantize rules out (module
+    doc of ExportOptions.requantize) from their exact float values; returns how many. The caller keeps the
+    model as loaded as the reference the quality report compares with."""
+    import torch
+
+    from kvedge.models.quant import QuantLinear, dequantize, projections
+
+    bits = QUANT_BITS[o.requantize]
+    done = 0
+    places = [(layer, name) for layer in decoder.layers for name in projections(decoder.cfg)]
+    if isinstance(getattr(decoder, "lm_head", None), QuantLinear):  # a file's own output.weight (Q6_K in Q4_K_M)
+        places.append((decoder, "lm_head"))
+    for layer, name in places:
+        m = getattr(layer, name)
+        if isinstance(m, QuantLinear) and m.bits == bits and (bits == 4 or m.qweight.shape[1] == 1):
+            continue
+        w = (dequantize(m.qweight, m.scales.float(), m.zeros, m.bits, m.in_features, m.mins)
+             if isinstance(m, QuantLinear) else m.weight.detach().float())
+        with torch.device("meta"):
+            shell = torch.nn.Linear(m.in_features, m.out_features, bias=m.bias is not None)
+        shell.weight = torch.nn.Parameter(w, requires_grad=False)
+        if m.bias is not None:
+            shell.bias = torch.nn.Parameter(m.bias.detach().clone(), requires_grad=False)
+        dtype = m.scales.dtype if isinstance(m, QuantLinear) else m.weight.dtype
+        q = QuantLinear(shell, bits, o.group_size or m.in_features, symmetric=True)
+        q.scales = q.scales.to(dtype)
+        setattr(layer, name, q)
+        done += 1
+    if done:
+        say(f"requantized {done} linears the target cannot build as they are to {o.requantize} "
+            f"({'per channel' if not o.group_size else f'groups of {o.group_size}'}, symmetric)")
+    return done
 
 
 def check_loaded_quant(decoder: Decoder, o: ExportOptions, low: Lowering) -> None:

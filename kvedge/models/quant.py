@@ -152,8 +152,10 @@ class QuantLinear(nn.Module):
         """packed: (qweight, scales, zeros) already quantized (e.g. by GPTQ, or read from a GGUF file); None:
         round-to-nearest. mins [N * K / group] float32: an affine block, w = q * scale + min (GGUF's Q4_1,
         Q4_K, Q5_K), kept as the file has it; zeros is then empty. Scales (and mins) are kept in float32
-        where the linear is float32, so a file's exact values stay exact."""
+        where the linear is float32, so a file's exact values stay exact. group 0: one group per row (per
+        channel)."""
         super().__init__()
+        group = group or linear.in_features
         self.bits, self.group, self.accuracy_level = bits, group, accuracy_level
         self.in_features, self.out_features = linear.in_features, linear.out_features
         q, s, z = packed if packed is not None else quantize(linear.weight.detach(), bits, group, symmetric)

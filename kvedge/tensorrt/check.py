@@ -20,7 +20,12 @@ from kvedge.errors import KvedgeError
 from kvedge.tensorrt import plugin as trt_plugin
 from kvedge.tensorrt.versions import parse_version
 
-MAX_OPSET = {(8, 6): 17, (9, 0): 19, (10, 0): 20, (10, 9): 22, (10, 13): 24, (11, 0): 24}
+# The newest opset each parser reads. 10.0-10.8: docs/operators.md says "opset 9 to opset 20", but the parser has no
+# upper bound (onnx-tensorrt ModelImporter.cpp importModel warns only below opset 7, at the 10.0 commit eb43908b and
+# the 10.16 one 6bde6596) and links ONNX v1.16.0 (third_party/onnx 990217f0 at 10.0 and 10.1), whose newest opset
+# is 21: the opset of DequantizeLinear's block_size and INT4, which the 10.0 parser imports (docs/operators.md 10.0:
+# "DequantizeLinear | Y | INT8, FP8, INT4").
+MAX_OPSET = {(8, 6): 17, (9, 0): 19, (10, 0): 21, (10, 9): 22, (10, 13): 24, (11, 0): 24}
 
 # Operators the 8.6 parser supports (subset relevant to decoder graphs).
 BASE_OPS = {
@@ -71,7 +76,11 @@ PLUGINS = {  # custom-domain op -> what provides it
 # and later; FP8: Ada and later). Blocked forms: NVIDIA/TensorRT include/NvInfer.h, IDequantizeLayer: "Block
 # dequantization is supported only for input tensors with DataType::kINT4" (release/10.0 to 10.12), "supported for
 # input types DataType::kFP4, DataType::kFP8 and DataType::kINT4" (release/10.13 to 11.1): blocked INT8 never
-# ("blocked_since": None). GPUs: Jetson Orin is Ampere (sm_87), Thor is Blackwell.
+# ("blocked_since": None). GPUs: Jetson Orin is Ampere (sm_87), Thor is Blackwell. The parser itself
+# (onnx-tensorrt onnxOpImporters.cpp QuantDequantLinearHelper at the 10.0 eb43908b, 10.13 346bdcae and 10.16 6bde6596
+# commits): blocking is inferred from a scale of the input's rank, one blocked dimension, any block size; initializer
+# scales "must all be positive"; a zero point, if given, all zeros. 8.6's (builtin_op_importers.cpp at 6ba67d34):
+# "This version of TensorRT requires 3 inputs for the INT8 QuantizeLinear/DequantizeLinear operator".
 QUANT_FORMS = {  # x dtype (ONNX) -> what TensorRT needs
     3: {"name": "INT8", "since": (8, 6), "blocked_since": None, "block_sizes": None, "gpus": "Turing and later"},
     22: {"name": "INT4", "since": (10, 0), "blocked_since": (10, 0), "block_sizes": (64, 128),
@@ -121,7 +130,7 @@ def check(model_path: str | Path, trt_version: str, dynamic_axes: tuple[str, ...
     opset = next((i.version for i in model.opset_import if i.domain in ("", "ai.onnx")), None)
     if opset is not None and opset > max_opset:
         rep.findings.append(Finding("opset", f"graph opset {opset} is newer than TensorRT {trt_version}'s parser "
-                                             f"reads (<= {max_opset}); export with --attention decomposed (opset 17)"))
+                                             f"reads (<= {max_opset}); re-export with --trt-version {trt_version}"))
     seen: set[tuple[str, str]] = set()
     for node in model.graph.node:
         key = (node.domain or "", node.op_type)
@@ -219,6 +228,7 @@ def quantization_findings(model, v: tuple[int, int]) -> list[Finding]:
 
     inits = {t.name: t for t in model.graph.initializer}
     problems: dict[str, int] = {}
+    cautions: dict[str, int] = {}
     used: set[int] = set()
     for node in model.graph.node:
         x = inits.get(node.input[0]) if node.op_type == "DequantizeLinear" and node.input else None
@@ -227,6 +237,7 @@ def quantization_findings(model, v: tuple[int, int]) -> list[Finding]:
         block = next((a.i for a in node.attribute if a.name == "block_size"), 0)
         form = QUANT_FORMS.get(x.data_type)
         zero = inits.get(node.input[2]) if len(node.input) > 2 and node.input[2] else None
+        scale = inits.get(node.input[1]) if len(node.input) > 1 else None
         if x.data_type in UNSIGNED:
             msg = (f"DequantizeLinear of {UNSIGNED[x.data_type]} weights with zero points (kvedge's asymmetric "
                    "quantization): TensorRT's quantized weights are signed INT8 / INT4 with zero points all zero "
@@ -241,15 +252,28 @@ def quantization_findings(model, v: tuple[int, int]) -> list[Finding]:
         elif v < (since := form["blocked_since"] if block else form["since"]):
             msg = (f"{'blocked ' if block else ''}{form['name']} DequantizeLinear needs TensorRT >= "
                    f"{since[0]}.{since[1]}")
-        elif block and form["block_sizes"] and block not in form["block_sizes"]:
-            msg = (f"{form['name']} block size {block}: TensorRT supports {' or '.join(map(str, form['block_sizes']))}"
-                   " (export --group-size 64 or 128)")
+        elif scale is None:
+            msg = (f"{form['name']} DequantizeLinear whose scale is not an initializer: TensorRT needs weight scales "
+                   "to be build-time constants")
+        elif scale.data_location != TensorProto.EXTERNAL and not (numpy_helper.to_array(scale) > 0).all():
+            msg = f"{form['name']} DequantizeLinear with scales <= 0: TensorRT's parser takes positive scales only"
         elif zero is not None and zero.data_location != TensorProto.EXTERNAL and numpy_helper.to_array(zero).any():
             msg = f"{form['name']} DequantizeLinear with non-zero zero points: TensorRT is symmetric only"
+        elif v < (9, 0) and zero is None:
+            msg = ("INT8 DequantizeLinear without a zero-point input: TensorRT 8.6's parser requires 3 inputs "
+                   "(an all-zero zero point)")
         else:
             used.add(x.data_type)
+            if block and form["block_sizes"] and block not in form["block_sizes"]:
+                msg = (f"{form['name']} block size {block}: outside the sizes NVIDIA documents "
+                       f"({' or '.join(map(str, form['block_sizes']))}); the parser and NvInfer.h put no limit on it, "
+                       "but no kvedge engine build has proven it (a GGUF file's own blocks, kept exact; a documented size "
+                       "needs requantizing, e.g. --quantize int4 --group-size 128 from a float checkpoint)")
+                cautions[msg] = cautions.get(msg, 0) + 1
             continue
         problems[msg] = problems.get(msg, 0) + 1
     out = [Finding("quantization", f"{msg} ({n} node{'s' if n > 1 else ''})") for msg, n in problems.items()]
+    out += [Finding("quantization", f"{msg} ({n} node{'s' if n > 1 else ''})", blocking=False)
+            for msg, n in cautions.items()]
     return out + [Finding("quantization", f"{QUANT_FORMS[dt]['name']} weight-only layers build for "
                                           f"{QUANT_FORMS[dt]['gpus']} GPUs", blocking=False) for dt in sorted(used)]

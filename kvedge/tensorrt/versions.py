@@ -36,6 +36,8 @@ from kvedge.errors import KvedgeError
 
 NATIVE_ATTENTION = (10, 15)
 MIN_SUPPORTED = (8, 6)
+INT4 = (10, 0)  # INT4 DequantizeLinear (onnx-tensorrt docs/operators.md 10.0: "DequantizeLinear | Y | INT8, FP8, INT4")
+INT4_BLOCKS = (128, 64)  # NVIDIA's documented INT4 block sizes, the preferred first (Model-Optimizer's default 128)
 
 
 def parse_version(v: str) -> tuple[int, int]:
@@ -103,3 +105,34 @@ def builder_settings(path: TrtPath, precision: str, export_dtype: str, plugins: 
                           "in-place cache outputs need")
     # without the preview feature TensorRT ignores TensorDesc.aliased(): the plugin would write a cache it never reads
     return {"flags": flags, "preview_features": ["ALIASED_PLUGIN_IO_10_03"] if plugins else []}
+
+
+def export_recipe(version: str, quantize: str | None, in_features: set[int], attention: str | None = None) -> dict:
+    """The `kvedge export` options whose graph TensorRT `version` builds: the attention lowering (`attention`, if
+    given, is kept unless no TensorRT builds it) and the weight form: INT4 blocks of 128 (64 where a linear's input
+    size is no multiple of 128) from 10.0, per-channel INT8 on every release (blocked INT8 builds on none), both
+    symmetric; `requantize` for a model that came quantized in another form (a GGUF file's 8-bit blocks). Raises
+    KvedgeError with the reason where nothing builds."""
+    path = select_path(version)
+    attention = attention or path.lowering
+    if attention == "ort":
+        raise KvedgeError(f"--attention ort writes ONNX Runtime's contrib ops (GroupQueryAttention, MatMulNBits), "
+                          f"which no TensorRT builds: leave --attention out for TensorRT {version}'s "
+                          f"{path.lowering!r}")
+    if attention == "onnx" and path.version < NATIVE_ATTENTION:
+        raise KvedgeError(f"--attention onnx needs TensorRT >= 10.15 (Attention, TensorScatter); TensorRT {version} "
+                          "builds --attention decomposed")
+    int4 = path.version >= INT4
+    if quantize == "int4" and not int4:
+        raise KvedgeError(f"--quantize int4: TensorRT {version} has no INT4 weights (from 10.0); use --quantize "
+                          "int8 (per channel), which it builds")
+    scheme = quantize or ("int4" if int4 else "int8")
+    group = 0  # per channel
+    if scheme == "int4":
+        group = next((b for b in INT4_BLOCKS if all(k % b == 0 for k in in_features)), None)
+        if group is None:
+            raise KvedgeError(f"no INT4 block size TensorRT documents ({' or '.join(map(str, INT4_BLOCKS))}) divides "
+                              f"every linear's input size ({', '.join(map(str, sorted(in_features)))}); use "
+                              "--quantize int8")
+    recipe = {"attention": attention, "group_size": group, "symmetric": True}
+    return {**recipe, "quantize": quantize} if quantize else {**recipe, "requantize": scheme}

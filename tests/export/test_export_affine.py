@@ -1,5 +1,5 @@
 """Affine quantized blocks (w = q * scale + min: GGUF's Q4_1, Q4_K, Q5_K) through export: the `ort` lowering keeps
-the integers and scales and turns each min into a float zero point; the lowerings without a form refuse."""
+the integers and scales and turns each min into a per-group offset term, and so does the DequantizeLinear form."""
 
 from __future__ import annotations
 
@@ -69,13 +69,22 @@ def test_ort_export_keeps_the_integers_and_verifies(affine_decoder, tmp_path):
     assert report["passed"] and report["max_rel_error"] < 1e-4, report
 
 
-@pytest.mark.parametrize("lowering", ["onnx", "decomposed", "trt"])
-def test_lowerings_without_a_form_refuse_affine_blocks(lowering, affine_decoder):
-    with pytest.raises(KvedgeError, match="affine|not combined"):
-        check_loaded_quant(affine_decoder, ExportOptions(), LOWERINGS[lowering])
-    check_loaded_quant(affine_decoder, ExportOptions(), LOWERINGS["ort"])
+@pytest.mark.parametrize("lowering", ["onnx", "decomposed"])
+def test_dequantizelinear_lowerings_verify_affine_blocks(lowering, affine_decoder, tmp_path):
+    """The DequantizeLinear form (dq_weights) writes an affine block as signed integers and a per-block offset term:
+    the graph verifies on ONNX Runtime against the PyTorch model of the same blocks."""
+    check_loaded_quant(affine_decoder, ExportOptions(), LOWERINGS[lowering])
+    proto = to_onnx(affine_decoder, lowering, MAX_SEQ)
+    assert sum(n.op_type == "DequantizeLinear" for n in proto.graph.node) == 4 * affine_decoder.cfg.num_layers
+    onnx.save(proto, str(tmp_path / "model.onnx"))
+    inputs, outputs = io_spec(affine_decoder.cfg, "fp32", MAX_SEQ)
+    sc = Sidecar(model=affine_decoder.cfg, lowering=lowering, dtype="fp32", opset=21, max_seq_len=MAX_SEQ,
+                 max_batch=1, inputs=inputs, outputs=outputs)
+    sc.write(tmp_path)
+    report = verify(affine_decoder, tmp_path, sc, prompt_len=8, steps=4)
+    assert report["passed"] and report["max_rel_error"] < 1e-4, report
     with pytest.raises(KvedgeError, match="already quantized"):
-        check_loaded_quant(affine_decoder, ExportOptions(quantize="int4"), LOWERINGS["ort"])
+        check_loaded_quant(affine_decoder, ExportOptions(quantize="int4"), LOWERINGS[lowering])
 
 
 def test_ort_takes_4_and_8_bit_affine_blocks():

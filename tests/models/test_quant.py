@@ -67,29 +67,6 @@ def test_layout_matches_onnxruntime_matmulnbits(bits):
     np.testing.assert_allclose(onnxruntime_matmulnbits(x, q, s, z, bits, 32), ref, atol=1e-4)
 
 
-@pytest.mark.parametrize("bits", [4, 8])
-def test_layout_matches_blocked_dequantizelinear_reference(bits):
-    """The onnx lowering's initializers (W [K, N], blocks along K; UINT4 two a byte for 4 bits) through
-    onnx.reference's DequantizeLinear: W within half a step, and kvedge's dequantizer exactly."""
-    from onnx.reference import ReferenceEvaluator
-
-    from kvedge.export.lowerings.onnx_std import dq_initializers
-
-    q, s, z = quantize(W, bits, 32)
-    w, scale, zero = dq_initializers(q.numpy(), s.numpy(), z.numpy(), bits, 128)
-    tensors = [numpy_helper.from_array(a, n) for a, n in ((w, "q"), (scale, "s"), (zero, "z"))]
-    assert [t.data_type for t in tensors] == [TensorProto.UINT4 if bits == 4 else TensorProto.UINT8,
-                                              TensorProto.FLOAT, tensors[0].data_type]
-    assert list(tensors[0].dims) == [128, 48] and len(tensors[0].raw_data) == 128 * 48 * bits // 8
-    node = helper.make_node("DequantizeLinear", ["q", "s", "z"], ["w"], axis=0, block_size=32)
-    graph = helper.make_graph([node], "g", [], [helper.make_tensor_value_info("w", TensorProto.FLOAT, [128, 48])],
-                              initializer=tensors)
-    got = ReferenceEvaluator(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])).run(None, {})[0]
-    step = s.reshape(48, 4).repeat_interleave(32, dim=1).T.numpy()
-    assert np.all(np.abs(got - W.T.numpy()) <= step / 2 + 1e-6)
-    np.testing.assert_allclose(got, dequantize(q, s, z, bits, 128).numpy().T, atol=1e-6)
-
-
 @pytest.mark.parametrize("lowering,scheme,op", [("ort", "int4", "MatMulNBits"), ("ort", "int8", "MatMulNBits"),
                                                 ("onnx", "int8", "DequantizeLinear"),
                                                 ("onnx", "int4", "DequantizeLinear")])
@@ -110,10 +87,10 @@ def test_quantized_export_agrees_with_the_quantized_reference(lowering, scheme, 
     if lowering == "onnx":  # the saved graph holds the integers and the DequantizeLinear, not folded floats
         inits = {t.name: t for t in graph.graph.initializer}
         consumers = {i: n.op_type for n in graph.graph.node for i in n.input}
-        stored = TensorProto.UINT4 if scheme == "int4" else TensorProto.UINT8
+        stored = TensorProto.INT4 if scheme == "int4" else TensorProto.INT8  # signed, no zero point
         for node in (n for n in graph.graph.node if n.op_type == "DequantizeLinear"):
             w = inits[node.input[0]]
-            assert w.data_type == stored and inits[node.input[2]].data_type == stored
+            assert w.data_type == stored and len(node.input) == 2
             assert consumers[node.output[0]] == "MatMul" and {a.name: a.i for a in node.attribute}["axis"] == 0
         weight_shapes = {tuple(inits[n.input[0]].dims) for n in graph.graph.node if n.op_type == "DequantizeLinear"}
         float_shapes = {tuple(t.dims) for t in graph.graph.initializer if t.data_type == TensorProto.FLOAT}
@@ -122,8 +99,10 @@ def test_quantized_export_agrees_with_the_quantized_reference(lowering, scheme, 
 
 def test_quantization_refusals(hf_checkpoint, tmp_path):
     path, _ = hf_checkpoint("llama-mha")
-    with pytest.raises(KvedgeError, match="'decomposed' lowering cannot export int8 weights"):
-        export(path, tmp_path / "a", ExportOptions(attention="decomposed", quantize="int8"))
+    with pytest.raises(KvedgeError, match="per channel.*round-to-nearest only"):
+        export(path, tmp_path / "a", ExportOptions(attention="decomposed", quantize="int8", group_size=0,
+                                                   quant_method="gptq"))
+    assert not (tmp_path / "a").exists()
 
 
 def test_tied_lm_head_gets_a_quantized_copy_and_the_embedding_stays_fp(hf_checkpoint):

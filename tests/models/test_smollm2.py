@@ -93,6 +93,43 @@ def test_the_ort_export_keeps_the_integers_and_its_perplexity(exported, model, r
     assert evaluate(session, token_rows, text).perplexity == pytest.approx(perplexity(model, token_rows), rel=1e-3)
 
 
+@pytest.fixture(scope="module")
+def exported_for_tensorrt(tmp_path_factory):
+    """The file exported for TensorRT 10.3 (JetPack 6) as `kvedge export --trt-version 10.3` does."""
+    from kvedge.export import ExportOptions, export
+    from kvedge.tensorrt.versions import export_recipe
+
+    out = tmp_path_factory.mktemp("smollm2-trt10.3")
+    recipe = export_recipe("10.3", None, {576, 1536})
+    sc = export(GGUF, out, ExportOptions(max_seq_len=320, max_batch=2, verify_steps=8, **recipe))
+    return out, sc
+
+
+def test_the_tensorrt_10_3_export_keeps_the_integers_and_the_perplexity(exported_for_tensorrt, exported, rows):
+    """Issue 31: the Q4_1 blocks as signed INT4 DequantizeLinear (decomposed attention, opset 21), which `kvedge check`
+    passes for TensorRT 10.3; on ONNX Runtime it answers the chat question and its perplexity is the ort export's."""
+    from kvedge.bench.eval import evaluate
+    from kvedge.runtime import load
+    from kvedge.tensorrt.check import check
+
+    out, sc = exported_for_tensorrt
+    assert sc.verification["passed"] and (sc.lowering, sc.opset) == ("decomposed", 21)
+    graph = onnx.load(str(out / "model.onnx")).graph
+    inits = {t.name: t for t in graph.initializer}
+    dq = [n for n in graph.node if n.op_type == "DequantizeLinear"]
+    assert len(dq) == 120 and {inits[n.input[0]].data_type for n in dq} == {onnx.TensorProto.INT4}
+    report = check(out / "model.onnx", "10.3")
+    assert report.buildable, [f.message for f in report.findings]
+    token_rows, text = rows
+    ppl = {}
+    for name, folder in (("trt", out), ("ort", exported[0])):
+        session = load(folder, "onnxruntime", max_batch=2, threads=2)
+        if name == "trt":
+            assert "Paris" in session.generate(QUESTION, chat=True, max_new_tokens=12).texts[0]
+        ppl[name] = evaluate(session, token_rows, text).perplexity
+    assert ppl["trt"] == pytest.approx(ppl["ort"], rel=0.005)
+
+
 @pytest.mark.parametrize("activations", ["int8", "int16"])
 def test_the_native_engine_runs_the_files_weights(model, rows, activations):
     """Affine Q4_1 blocks as they are, the tied head on the Q8_0 integers. int8 activations per 32 channels

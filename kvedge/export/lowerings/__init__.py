@@ -18,6 +18,10 @@ def _nothing(_) -> list[str]:
     return []
 
 
+def _any_opset(bits: set[int], blocked: bool) -> int:
+    return 0
+
+
 @dataclass(frozen=True)
 class Lowering:
     name: str
@@ -33,6 +37,8 @@ class Lowering:
     # affine blocks, w = q * scale + min (GGUF's Q4_1, Q4_K, Q5_K): why these bits cannot be exported; None:
     # the lowering has no form for them
     unsupported_affine: Callable[[int], list[str]] | None = None
+    # the least opset its quantized weights need, given their bit widths and whether any is blocked (0: any)
+    weights_opset: Callable[[set[int], bool], int] = _any_opset
     int8_cache: bool = False  # it can hold an int8 KV cache (scales as graph initializers)
     finalize: Callable | None = None  # its own rewrite of the traced ModelProto, in place
     runs_on_onnxruntime: bool = True  # export verifies the graph on ONNX Runtime's CPU provider

@@ -1,6 +1,7 @@
 """`decomposed`: MatMul / Softmax / Where / ScatterElements only, opset 17.
 
-For TensorRT 8.6-10.14 (JetPack 5 and 6) and any ONNX runtime. GQA stays GQA: the query heads are
+For TensorRT 8.6-10.14 (JetPack 5 and 6) and any ONNX runtime. Quantized weights take the DequantizeLinear form
+(dq_weights): INT4 or blocks raise the graph to opset 21; per-channel INT8 stays at 17. GQA stays GQA: the query heads are
 viewed as [B, Hkv, G, L, D] and broadcast against the [B, Hkv, 1, S, D] cache; K/V are never
 repeated. The cache write is a ScatterElements along the sequence axis. MLA is the same graph with one KV
 head whose key is the two caches concatenated, [k_rope, c_kv], and whose value is c_kv.
@@ -11,13 +12,8 @@ from __future__ import annotations
 import numpy as np
 from onnxscript import opset18 as op
 
-from kvedge.export.lowerings import Lowering
+from kvedge.export.lowerings import Lowering, dq_weights
 from kvedge.export.lowerings._common import const, fconst, kv_len, live, rope, visible
-
-
-def unsupported_quant(bits: int) -> list[str]:
-    return ["quantized weights need DequantizeLinear with block_size (opset 21) or MatMulNBits; opset 17 has "
-            "neither: use --attention onnx (INT8) or ort"]
 
 
 def translate(q, k, v, k_cache, v_cache, positions, scale: float, window: int, softcap: float, cos=None, sin=None):
@@ -47,4 +43,6 @@ def translate(q, k, v, k_cache, v_cache, positions, scale: float, window: int, s
 
 
 LOWERING = Lowering("decomposed", 17, "opset 17 MatMul/Softmax/Where, for TensorRT 8.6-10.14 and any runtime",
-                    translate, unsupported_quant=unsupported_quant)  # expresses every feature of the Decoder
+                    translate, translate_qlinear=dq_weights.translate_qlinear, finalize=dq_weights.finalize,
+                    unsupported_affine=dq_weights.no_refusals,
+                    weights_opset=dq_weights.min_opset)  # expresses every feature of the Decoder

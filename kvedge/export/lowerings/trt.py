@@ -5,7 +5,8 @@ TensorRT's ONNX parser builds an unknown op from the plugin registry by its op t
 attribute is kvedge's own version of the node, which the registered plugin checks. The graph runs only inside
 TensorRT with the plugin registered: ONNX Runtime cannot run it, so export skips the ORT verification.
 RoPE is the plugin's: the node takes the cos/sin tables (a [1, 0] pair for a model without RoPE) and
-rotates q and k inside its kernels, so no rotation ops precede it.
+rotates q and k inside its kernels, so no rotation ops precede it. Quantized weights take the DequantizeLinear form
+(dq_weights).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from onnxscript import opset18 as op
 from onnxscript.values import Opset
 
 from kvedge.artifact import PLUGIN_ID, PLUGIN_NAMESPACE, PLUGIN_OP, PLUGIN_SCHEMA, PLUGIN_VERSION
-from kvedge.export.lowerings import Lowering
+from kvedge.export.lowerings import Lowering, dq_weights
 from kvedge.export.lowerings._common import const
 from kvedge.models.config import ModelConfig
 
@@ -51,10 +52,6 @@ def unsupported(cfg: ModelConfig) -> list[str]:
     return [] if cfg.head_dim <= 256 else [f"head_dim {cfg.head_dim} > 256"]
 
 
-def unsupported_quant(bits: int) -> list[str]:
-    return ["quantized weights are not combined with the plugin lowering yet"]
-
-
 def translate(q, k, v, k_cache, v_cache, positions, scale: float, window: int, softcap: float, cos=None, sin=None):
     if cos is None:  # no RoPE: zero-width tables, never read by the kernels
         cos = sin = op.ConstantOfShape(const([1, 0]))
@@ -64,5 +61,6 @@ def translate(q, k, v, k_cache, v_cache, positions, scale: float, window: int, s
 
 
 LOWERING = Lowering("trt", 17, "kvedge's fused-attention TensorRT plugin; TensorRT >= 10.6 only", translate,
-                    unsupported=unsupported, unsupported_quant=unsupported_quant, runs_on_onnxruntime=False,
-                    plugins=(PLUGIN_ID,))
+                    unsupported=unsupported, translate_qlinear=dq_weights.translate_qlinear,
+                    finalize=dq_weights.finalize, unsupported_affine=dq_weights.no_refusals,
+                    weights_opset=dq_weights.min_opset, runs_on_onnxruntime=False, plugins=(PLUGIN_ID,))
