@@ -3,7 +3,8 @@
 Thin by design: the version gate, the profiles and the pre-flight come from kvedge.tensorrt.versions,
 buffers and check (tested in CI); this module only makes the TensorRT calls, per the documented API:
 - Builder / OnnxParser.parse_from_file (external data resolved next to the file);
-- 8.x: create_network(1 << EXPLICIT_BATCH); 10.x: create_network(0); 11.x: STRONGLY_TYPED;
+- 8.x: create_network(1 << EXPLICIT_BATCH); 10.x: create_network(0), STRONGLY_TYPED for quantized weights;
+  11.x: STRONGLY_TYPED;
 - BuilderConfig.set_memory_pool_limit(MemoryPoolType.WORKSPACE, ...), builder_optimization_level,
   set_flag / set_preview_feature as kvedge.tensorrt.versions.builder_settings says (BuilderFlag.FP16 / BF16
   only before 11, BF16 not on 8.6; PreviewFeature.ALIASED_PLUGIN_IO_10_03 for a plugin graph);
@@ -59,7 +60,8 @@ def build(export_dir: str | Path, precision: str = "fp16", max_batch: int | None
     pre = check(export_dir / sc.onnx_file, ".".join(map(str, path.version)))
     if not pre.buildable:
         raise KvedgeError("kvedge check found blocking issues:\n" + "\n".join(f"  - {f.message}" for f in pre.findings))
-    settings = builder_settings(path, precision, sc.dtype, bool(sc.plugins))
+    settings = builder_settings(path, precision, sc.dtype, bool(sc.plugins),
+                                quantized_weights=bool(sc.extra.get("quantization")))
 
     register_plugins(sc)  # a plugin must be in TensorRT's registry before the parser meets its node
     logger = trt.Logger(trt.Logger.WARNING)
@@ -67,7 +69,7 @@ def build(export_dir: str | Path, precision: str = "fp16", max_batch: int | None
     flags = 0
     if path.explicit_batch_flag:
         flags |= 1 << int(trt.NetworkDefinitionCreationFlag.EXPLICIT_BATCH)
-    if path.strongly_typed:
+    if settings["strongly_typed"]:
         flags |= 1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED)
     network = builder.create_network(flags)
     parser = trt.OnnxParser(network, logger)

@@ -86,14 +86,22 @@ def select_path(version: str) -> TrtPath:
     )
 
 
-def builder_settings(path: TrtPath, precision: str, export_dtype: str, plugins: bool) -> dict[str, list[str]]:
-    """The BuilderFlag and PreviewFeature names `kvedge build` sets, or a KvedgeError saying why this TensorRT
-    cannot build `precision` ("fp32" | "fp16" | "bf16") for an export of `export_dtype`."""
+def builder_settings(path: TrtPath, precision: str, export_dtype: str, plugins: bool,
+                     quantized_weights: bool = False) -> dict:
+    """The BuilderFlag and PreviewFeature names `kvedge build` sets and whether the network is strongly typed, or a
+    KvedgeError saying why this TensorRT cannot build `precision` ("fp32" | "fp16" | "bf16") for an export of
+    `export_dtype`. Quantized weights (DequantizeLinear) build strongly typed from 10.0, whose
+    NetworkDefinitionCreationFlag has kSTRONGLY_TYPED (NVIDIA/TensorRT include/NvInfer.h, release/10.0): "Use
+    explicit quantization with Strong Typing. Precision-control build flags are not required and should not be
+    specified" (TensorRT docs, Explicit Quantization)."""
     version = ".".join(map(str, path.version))
-    if path.strongly_typed:
+    strongly_typed = path.strongly_typed or (quantized_weights and path.version >= INT4)
+    if strongly_typed:
         if precision != export_dtype:
-            raise KvedgeError(f"TensorRT {version} builds strongly typed networks: precision comes from the graph "
-                              f"({export_dtype}); re-export with --dtype {precision}")
+            why = "builds strongly typed networks" if path.strongly_typed else \
+                "builds quantized weights as a strongly typed network"
+            raise KvedgeError(f"TensorRT {version} {why}: precision comes from the graph ({export_dtype}); "
+                              f"re-export with --dtype {precision}, or build with --precision {export_dtype}")
         flags = []
     elif precision == "bf16" and not path.bf16_flag:
         raise KvedgeError(f"--precision bf16: TensorRT {version} has no BuilderFlag.BF16 (it arrived in 9.0); "
@@ -104,7 +112,8 @@ def builder_settings(path: TrtPath, precision: str, export_dtype: str, plugins: 
         raise KvedgeError(f"TensorRT {version} has no PreviewFeature.ALIASED_PLUGIN_IO_10_03, which the plugin's "
                           "in-place cache outputs need")
     # without the preview feature TensorRT ignores TensorDesc.aliased(): the plugin would write a cache it never reads
-    return {"flags": flags, "preview_features": ["ALIASED_PLUGIN_IO_10_03"] if plugins else []}
+    return {"flags": flags, "preview_features": ["ALIASED_PLUGIN_IO_10_03"] if plugins else [],
+            "strongly_typed": strongly_typed}
 
 
 def export_recipe(version: str, quantize: str | None, in_features: set[int], attention: str | None = None) -> dict:

@@ -326,6 +326,14 @@ def test_bf16_precision_needs_tensorrts_bf16_builder_flag():
     with pytest.raises(KvedgeError, match="strongly typed networks"):
         builder_settings(select_path("11.0"), "fp16", "fp32", plugins=False)
     assert builder_settings(select_path("11.0"), "bf16", "bf16", plugins=False)["flags"] == []
+    # quantized weights: strongly typed from 10.0 (NvInfer.h release/10.0 has kSTRONGLY_TYPED; NVIDIA's Explicit
+    # Quantization docs: "Use explicit quantization with Strong Typing"), precision from the graph
+    q = builder_settings(select_path("10.3"), "fp16", "fp16", plugins=False, quantized_weights=True)
+    assert q == {"flags": [], "preview_features": [], "strongly_typed": True}
+    with pytest.raises(KvedgeError, match="quantized weights as a strongly typed network.*--dtype fp16"):
+        builder_settings(select_path("10.3"), "fp16", "fp32", plugins=False, quantized_weights=True)
+    assert not builder_settings(select_path("8.6"), "fp16", "fp32", plugins=False, quantized_weights=True)[
+        "strongly_typed"]  # 8.6 has no strongly typed networks
 
 
 def test_plugin_graphs_turn_on_aliased_plugin_io():

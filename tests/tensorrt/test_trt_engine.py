@@ -40,3 +40,28 @@ def test_build_parity_bench(tmp_path):
     assert all(s.max_rel <= 1e-2 for s in rep.steps), rep.markdown()  # logits within 1e-2 (x max(1, |logit|))
     results = latency.run({"tensorrt": lambda: load(out, "tensorrt")}, [64], [1], 32, 1, 2)
     print(latency.table(results))
+
+
+def test_int4_weights_build_and_match_the_reference(tmp_path):
+    """Issue 31 on a device: `--trt-version` of the installed TensorRT with --quantize int4 (INT4 DequantizeLinear
+    blocks, fp16, strongly typed) builds, and the engine's logits follow the same graph's on ONNX Runtime."""
+    from kvedge.bench.parity import compare
+    from kvedge.export import ExportOptions, export
+    from kvedge.models.demo import write_demo_checkpoint
+    from kvedge.models import load_config
+    from kvedge.runtime import load
+    from kvedge.tensorrt.build import build
+    from kvedge.tensorrt.versions import export_recipe
+
+    ckpt = write_demo_checkpoint(tmp_path / "ckpt")
+    cfg = load_config(ckpt)
+    recipe = export_recipe(trt.__version__, "int4", {cfg.hidden_size, cfg.intermediate_size,
+                                                     cfg.num_heads * cfg.out_head_dim})
+    out = tmp_path / "int4"
+    export(ckpt, out, ExportOptions(dtype="fp16", max_seq_len=256, max_batch=1, allow_degraded=True, **recipe))
+    assert build(out, precision="fp16", max_prefill_len=64)["engine_bytes"] > 0
+    engine = load(out, "tensorrt")
+    # the same graph on ONNX Runtime's CPU provider, which export verified against the quantized PyTorch model
+    reference = load(out, "onnxruntime", max_batch=1, providers=["CPUExecutionProvider"])
+    rep = compare(engine, reference, [0] + list(range(3, 19)), steps=16, dtype="fp16", tolerance={"max_rel": 2e-2})
+    assert all(s.max_rel <= 2e-2 for s in rep.steps), rep.markdown()
