@@ -153,6 +153,11 @@ def test_gguf_files_export_their_own_blocks_as_int4(kind, llama256, tmp_path):
     assert len(dq) == 4 * 2 + 1  # qkv, o, up, down in both layers, and the file's output.weight
     offsets = sum(n.op_type == "ReduceSum" for n in onnx.load(str(tmp_path / "out" / "model.onnx")).graph.node)
     assert offsets > 0  # Q4_0's negative scales and the affine types' mins need the offset term
+    from kvedge.tensorrt.check import check
+
+    verdicts = {v: check(tmp_path / "out" / "model.onnx", v).buildable
+                for v in ("8.6", "10.0", "10.3", "10.13", "10.16", "11.0")}
+    assert verdicts == {"8.6": False, "10.0": True, "10.3": True, "10.13": True, "10.16": True, "11.0": True}
 
 
 @pytest.mark.parametrize("lowering,symmetric,dtype", [("decomposed", True, "fp32"), ("decomposed", False, "fp32"),
