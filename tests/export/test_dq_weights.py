@@ -89,14 +89,17 @@ def test_kvedges_own_blocks_equal_its_dequantizer(bits, symmetric):
 def tensorrt_weight_form(graph_path, max_opset: int = 21) -> list:
     """Assert the constraints TensorRT puts on weight-only DequantizeLinear, each from its source; returns the
     DequantizeLinear nodes.
-    - opset <= 21: the ONNX that TensorRT 10.3 bundles reads opset 21 at most (onnx-tensorrt release/10.3-GA,
-      third_party/onnx at v1.16.0, whose newest opset is 21);
-    - the quantized input a 2-D INT4 or INT8 initializer, no zero-point input (onnx-tensorrt docs/operators.md,
-      10.x: "`x_zero_point` must be zero"; NvInfer.h IDequantizeLayer: block quantization of 2-D weights);
-    - the scale a constant, positive, with the rank of the weight when blocked (NvInfer.h IDequantizeLayer: "the
-      scale tensor must have the same rank as the input"); one blocked axis (axis 0, block_size);
-    - each DequantizeLinear feeds a MatMul directly (NVIDIA/Model-Optimizer modelopt/onnx/quantization/int4.py
-      writes DequantizeLinear -> MatMul, weight [K, N]);
+    - opset <= 21: the ONNX onnx-tensorrt bundles from 10.0 (third_party/onnx v1.16.0 at the 10.0 and 10.1
+      commits) reads opset 21 at most, and its ModelImporter.cpp has no upper opset bound;
+    - the quantized input a 2-D INT4 (or INT8) initializer, no zero-point input (onnx-tensorrt docs/operators.md
+      10.0 and 10.16: "`x_zero_point` must be zero"; NVIDIA/TensorRT include/NvInfer.h release/10.3,
+      IDequantizeLayer: "Block dequantization is supported only for 2-D input tensors with DataType::kINT4 that
+      are rooted at an IConstantLayer (i.e. weights)");
+    - the scale constant, positive ("All scale coefficients must have positive values", same header), of the
+      weight's rank when blocked, blocks along one axis ("a 2-D RS weights input with R (dimension 0) as the
+      blocking axis and B as the block size. The scale is a 2-D array of coefficients, with dimensions (R//B, S)");
+    - each DequantizeLinear feeds a MatMul directly (NVIDIA/Model-Optimizer modelopt/onnx/quantization/int4.py:
+      weights "plugged into the RHS (i.e. y = x @ W)", blocked over dimension 0);
     - no float initializer (but the embedding) of a dequantized weight's shape: the graph holds the integers only."""
     model = onnx.load(str(graph_path))
     graph = model.graph
