@@ -80,7 +80,8 @@ PLUGINS = {  # custom-domain op -> what provides it
 # (onnx-tensorrt onnxOpImporters.cpp QuantDequantLinearHelper at the 10.0 eb43908b, 10.13 346bdcae and 10.16 6bde6596
 # commits): blocking is inferred from a scale of the input's rank, one blocked dimension, any block size; initializer
 # scales "must all be positive"; a zero point, if given, all zeros. 8.6's (builtin_op_importers.cpp at 6ba67d34):
-# "This version of TensorRT requires 3 inputs for the INT8 QuantizeLinear/DequantizeLinear operator".
+# "This version of TensorRT requires 3 inputs for the INT8 QuantizeLinear/DequantizeLinear operator", and it reads
+# the scale as float32 (`static_cast<float const*>(scale.values)`).
 QUANT_FORMS = {  # x dtype (ONNX) -> what TensorRT needs
     3: {"name": "INT8", "since": (8, 6), "blocked_since": None, "block_sizes": None, "gpus": "Turing and later"},
     22: {"name": "INT4", "since": (10, 0), "blocked_since": (10, 0), "block_sizes": (64, 128),
@@ -262,6 +263,9 @@ def quantization_findings(model, v: tuple[int, int]) -> list[Finding]:
         elif v < (9, 0) and zero is None:
             msg = ("INT8 DequantizeLinear without a zero-point input: TensorRT 8.6's parser requires 3 inputs "
                    "(an all-zero zero point)")
+        elif v < (9, 0) and scale.data_type != TensorProto.FLOAT:
+            msg = ("DequantizeLinear with float16 / bfloat16 scales: TensorRT 8.6's parser reads scales as float32; "
+                   "export --dtype fp32 and build with --precision fp16")
         else:
             used.add(x.data_type)
             if block and form["block_sizes"] and block not in form["block_sizes"]:

@@ -81,15 +81,19 @@ def _dq_graph(path, scale: np.ndarray, zero: bool):
     return path
 
 
-def test_check_wants_positive_scales_and_8_6_wants_a_zero_point(tmp_path):
+def test_check_wants_positive_scales_and_8_6_wants_a_zero_point_and_float32_scales(tmp_path):
     """onnx-tensorrt onnxOpImporters.cpp QuantDequantLinearHelper (10.0 eb43908b to 10.16 6bde6596): initializer
     scales "must all be positive"; 8.6's builtin_op_importers.cpp (6ba67d34): "This version of TensorRT requires 3
-    inputs for the INT8 QuantizeLinear/DequantizeLinear operator"."""
+    inputs for the INT8 QuantizeLinear/DequantizeLinear operator", and it reads the scale as float32
+    (`static_cast<float const*>(scale.values)`)."""
     good = np.full(8, 0.01, np.float32)
     assert check(_dq_graph(tmp_path / "ok.onnx", good, zero=True), "8.6").buildable
     two = _dq_graph(tmp_path / "two.onnx", good, zero=False)
     assert check(two, "10.3").buildable and not check(two, "8.6").buildable
     assert any("requires 3 inputs" in f.message for f in check(two, "8.6").findings)
+    half = _dq_graph(tmp_path / "half.onnx", good.astype(np.float16), zero=True)
+    assert check(half, "10.3").buildable and any("reads scales as float32" in f.message
+                                                 for f in check(half, "8.6").findings if f.blocking)
     negative = _dq_graph(tmp_path / "neg.onnx", np.where(np.arange(8) == 3, -0.01, 0.01).astype(np.float32), True)
     assert [f.message for f in check(negative, "10.3").findings if f.blocking] == [
         "INT8 DequantizeLinear with scales <= 0: TensorRT's parser takes positive scales only (1 node)"]
