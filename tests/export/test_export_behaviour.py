@@ -73,8 +73,8 @@ def test_verification_fails_on_a_quantized_graph_with_one_weight_changed(lowerin
         name = node.input[1] if node.op_type == "MatMulNBits" else node.input[0]
         init = next(t for t in model.graph.initializer if t.name == name)
         w = numpy_helper.to_array(init).copy()
-        assert w.dtype == "uint8", w.dtype
-        w.flat[0] ^= 0x88  # a packed int4 byte: both weights move by 8 steps; an int8 weight by 120 or 136
+        assert w.dtype == ("uint8" if node.op_type == "MatMulNBits" else "int8"), w.dtype
+        w.view("uint8").flat[0] ^= 0x88  # a packed int4 byte: both weights move by 8 steps; an int8 one by 120 / 136
         init.CopyFrom(numpy_helper.from_array(w, name))
         onnx.save(model, str(path))
 
