@@ -11,6 +11,7 @@ interrupted or failed export (verification over tolerance included) never looks 
 from __future__ import annotations
 
 import contextlib
+import gc
 import io
 import logging
 import shutil
@@ -31,7 +32,9 @@ from kvedge.models.loader import torch_dtype
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "generation_config.json", "chat_template.jinja", "chat_template.json")
-EXTERNAL_DATA_THRESHOLD = 2 * 1024**3  # protobuf's hard limit for one file
+# Weights above this go to model.onnx.data, written a tensor at a time; a single file is serialized whole in memory
+# first, a second copy of the weights beside the graph's own (protobuf cannot write one file past 2 GiB at all).
+EXTERNAL_DATA_THRESHOLD = 512 * 1024**2
 
 
 class _Progress:
@@ -83,6 +86,8 @@ def to_onnx(decoder: Decoder, lowering: str, max_seq_len: int, kv_scales=None):
         custom_translation_table=table,
         opset_version=max(opset, 18), optimize=True, verbose=False))
     proto = program.model_proto
+    del program  # the exported program and the ONNX IR: only the ModelProto is kept
+    gc.collect()  # torch.export's graphs hold reference cycles
     if opset < 18:
         from kvedge.export.opset17 import downgrade_to_17
 
@@ -119,12 +124,13 @@ def _name_dynamic_axes(proto) -> None:
 
 
 def _save(proto, path: Path, data_name: str) -> str | None:
-    """Save; weights go to an external data file `data_name` when they pass protobuf's 2 GiB limit."""
+    """Save; weights go to an external data file `data_name` when they pass EXTERNAL_DATA_THRESHOLD."""
     import onnx
 
-    size = sum(len(t.raw_data) for t in proto.graph.initializer)
+    size = sum(t.ByteSize() for t in proto.graph.initializer)
     external = size > EXTERNAL_DATA_THRESHOLD
     location = data_name if external else None
+    (path.parent / data_name).unlink(missing_ok=True)  # onnx appends to an existing data file; never keep a stale one
     onnx.save_model(proto, str(path), save_as_external_data=external, all_tensors_to_one_file=True,
                     location=location, size_threshold=1024)
     return location

@@ -13,6 +13,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from kvedge.errors import KvedgeError
+from kvedge.export.lowerings._common import constants
 
 _AXES_TO_ATTR = {"ReduceMean", "ReduceMax", "ReduceMin", "ReduceProd", "ReduceL1", "ReduceL2",
                  "ReduceLogSum", "ReduceLogSumExp", "ReduceSumSquare"}
@@ -46,10 +47,7 @@ def _split_sizes(n, dims) -> list[int]:
 def downgrade_to_17(model: onnx.ModelProto) -> onnx.ModelProto:
     g = model.graph
     dims = _static_dims(model)
-    consts = {t.name: numpy_helper.to_array(t) for t in g.initializer}
-    for n in g.node:
-        if n.op_type == "Constant" and n.attribute and n.attribute[0].name == "value":
-            consts[n.output[0]] = numpy_helper.to_array(n.attribute[0].t)
+    const = constants(g)
     for n in g.node:
         if n.domain not in ("", "ai.onnx"):
             continue
@@ -58,9 +56,10 @@ def downgrade_to_17(model: onnx.ModelProto) -> onnx.ModelProto:
                 raise KvedgeError(f"opset 17: {n.op_type} node {n.name!r} uses noop_with_empty_axes=1")
             kept = [a for a in n.attribute if a.name != "noop_with_empty_axes"]  # an opset-18 attribute
             if len(n.input) > 1 and n.input[1]:
-                if n.input[1] not in consts:
+                axes = const(n.input[1])
+                if axes is None:
                     raise KvedgeError(f"opset 17: {n.op_type} node {n.name!r} has non-constant axes")
-                kept.append(helper.make_attribute("axes", [int(a) for a in consts[n.input[1]].reshape(-1)]))
+                kept.append(helper.make_attribute("axes", [int(a) for a in axes.reshape(-1)]))
                 del n.input[1:]
             del n.attribute[:]
             n.attribute.extend(kept)

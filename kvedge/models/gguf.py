@@ -591,6 +591,8 @@ def load_decoder(path: str | Path, dtype: str | torch.dtype | None = None, devic
         parts = [read_float(g, n, cfg) for n in names]
         w = parts[0] if len(parts) == 1 else np.concatenate(parts)
         state[dst] = torch.from_numpy(w).to(device=device, dtype=want)
+    for t in g.reader.tensors:  # read above: the map's pages need not stay resident (a view re-reads its pages)
+        g.reader.release(t.data_offset, t.data_offset + t.n_bytes)
     with torch.device("meta"):
         model = Decoder(cfg)
     for module, linear in linears.items():

@@ -5,6 +5,22 @@ from __future__ import annotations
 from onnxscript import opset18 as op
 
 
+def constants(graph):
+    """name -> the value (numpy) of an initializer or Constant node, or None. Converted on each call, not up front:
+    the initializers are the weights, and converting them all would copy every weight of the model."""
+    from onnx import numpy_helper
+
+    tensors = {t.name: t for t in graph.initializer}
+    tensors.update({n.output[0]: n.attribute[0].t for n in graph.node
+                    if n.op_type == "Constant" and n.attribute and n.attribute[0].name == "value"})
+
+    def value(name: str):
+        t = tensors.get(name)
+        return None if t is None else numpy_helper.to_array(t)
+
+    return value
+
+
 def drop_unused(proto) -> None:
     """Remove the nodes and initializers nothing reads any more (after a lowering's graph rewrite)."""
     graph = proto.graph

@@ -7,7 +7,7 @@ against PyTorch like any other graph.
 
 from __future__ import annotations
 
-from kvedge.export.lowerings._common import drop_unused
+from kvedge.export.lowerings._common import constants, drop_unused
 from kvedge.export.lowerings.ort_gqa import DOMAIN
 from kvedge.models.quant import unpack4
 
@@ -89,11 +89,9 @@ def _fuse_skip_rms_norm(graph, producer, users) -> None:
     """Residual Add + the Decoder's RMSNorm (x / Sqrt(ReduceMean(x^2, -1) + eps) * w, float32) ->
     one SkipSimplifiedLayerNormalization (ONNX Runtime contrib op) whose 4th output is the sum the next
     residual Add reads. ONNX Runtime fuses the norm alone, not the Add before it."""
-    from onnx import helper, numpy_helper
+    from onnx import helper
 
-    consts = {t.name: numpy_helper.to_array(t) for t in graph.initializer}
-    consts.update({n.output[0]: numpy_helper.to_array(n.attribute[0].t) for n in graph.node
-                   if n.op_type == "Constant" and n.attribute and n.attribute[0].name == "value"})
+    const = constants(graph)
 
     def one(name, op_type):
         n = producer.get(name)
@@ -112,8 +110,9 @@ def _fuse_skip_rms_norm(graph, producer, users) -> None:
             continue
         mul = muls[0]
         weight = next((i for i in mul.input if i != div.output[0]), None)
-        eps, two, axes = (consts.get(v) for v in (add_eps.input[1], pow_.input[1], mean.input[1]))
-        if (weight not in consts or consts[weight].ndim != 1 or eps is None or eps.size != 1 or two is None
+        eps, two, axes = (const(v) for v in (add_eps.input[1], pow_.input[1], mean.input[1]))
+        w = const(weight) if weight else None
+        if (w is None or w.ndim != 1 or eps is None or eps.size != 1 or two is None
                 or float(two) != 2.0 or axes is None or [int(a) for a in axes.reshape(-1)] != [-1]
                 or {u.op_type for u in users[x]} - {"Pow", "Div", "Add"}):
             continue
