@@ -16,6 +16,7 @@ from kvedge.models.quant import QUANT_BITS
 from kvedge.runtime.calibration import calibration_rows, heldout_rows
 
 QUANT_METHODS = {"rtn": "round-to-nearest", "gptq": "GPTQ"}
+GROUP_SIZES = (16, 32, 64, 128, 256)  # --group-size
 
 
 @dataclass
@@ -79,8 +80,8 @@ def check_options(model_dir: Path, out_dir: Path, o: ExportOptions, cfg, low: Lo
         reasons = low.unsupported_quant(QUANT_BITS[o.quantize])
         if reasons:
             raise KvedgeError(f"the {low.name!r} lowering cannot export {o.quantize} weights: {'; '.join(reasons)}")
-        if o.group_size not in (16, 32, 64, 128, 256):
-            raise KvedgeError(f"--group-size {o.group_size}: expected 16, 32, 64, 128 or 256")
+        if o.group_size not in GROUP_SIZES:
+            raise KvedgeError(f"--group-size {o.group_size}: expected one of {', '.join(map(str, GROUP_SIZES))}")
         if o.quant_method not in QUANT_METHODS:
             raise KvedgeError(f"--method {o.quant_method!r}: expected {' or '.join(QUANT_METHODS)}")
     if out_dir.exists() and any(out_dir.iterdir()) and not o.force:
