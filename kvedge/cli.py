@@ -400,7 +400,7 @@ def cmd_eval(args) -> int:
     rows, text = heldout_rows(export_dir or ckpt, session.cfg, args.text, args.tokens)
     _say(args, f"evaluating {name} on {text['tokens']} tokens of the {text['text']} text"
          + (" against torch" if reference else ""))
-    rep = evaluate(session, rows, text, reference)
+    rep = evaluate(session, rows, text, reference, progress=None if args.quiet else _eval_progress())
     if args.json:
         print(json.dumps(rep.to_json(), indent=2))
     else:
@@ -408,8 +408,26 @@ def cmd_eval(args) -> int:
         if reference is not None:
             line += (f"; torch (reference) {rep.reference_perplexity:.4f}; top-1 agreement {rep.top1_agreement:.1%}, "
                      f"mean cosine {rep.mean_cosine:.6f}")
-        print(line)
+        print(line + f" ({rep.seconds:.1f} s{'' if reference is None else f', torch {rep.reference_seconds:.1f} s'})")
     return 0
+
+
+def _eval_progress(every_s: float = 2.0):
+    """eval's progress lines on stderr: tokens scored and the running perplexity, every few seconds and at the
+    end (a long run shows it is moving; a short one prints its last line only)."""
+    import time
+
+    t0 = last = time.perf_counter()
+
+    def show(done: int, total: int, perplexity: float) -> None:
+        nonlocal last
+        now = time.perf_counter()
+        if now - last >= every_s or done == total:
+            last = now
+            print(f"  {done}/{total} tokens, perplexity {perplexity:.4f} ({now - t0:.1f} s)", file=sys.stderr,
+                  flush=True)
+
+    return show
 
 
 def cmd_plan(args) -> int:
@@ -689,7 +707,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("eval", help="quality on held-out text: perplexity, and top-1 / cosine against torch",
                        description="Each position teacher-forced through the backend's cache, rows of at most 256 "
-                                   "tokens. The reference is the export's source checkpoint (or --reference) on the "
+                                   "tokens read in chunks of 64: one forward a chunk returns the logits of every "
+                                   "position in it. Progress lines go to stderr. The reference is the export's source checkpoint (or --reference) on the "
                                    "torch backend; a checkpoint or GGUF file on another backend is compared with "
                                    "itself on torch.")
     s.add_argument("path", type=existing, help="export folder, checkpoint folder or .gguf file")

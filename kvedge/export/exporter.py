@@ -65,12 +65,14 @@ def to_onnx(decoder: Decoder, lowering: str, max_seq_len: int, kv_scales=None):
     b, l = 2, 3  # example sizes; both axes are dynamic
     cache = KVCache.allocate(cfg, b, max_seq_len, dtype=dtype, scales=kv_scales)
     past = [t for kv in zip(cache.keys, cache.values) for t in kv]
+    # two positions' logits a row in the example: an axis of size 1 would be traced as a constant 1
     args = (torch.zeros(b, l, dtype=torch.long), torch.arange(l).expand(b, l).contiguous(),
-            torch.full((b,), l - 1), *past)
+            torch.arange(1, l).expand(b, l - 1).contiguous(), *past)
     batch = torch.export.Dim("batch", max=1024)
     seq = torch.export.Dim("seq", max=max_seq_len)
+    logits = torch.export.Dim("logits", max=max_seq_len)
     dynamic = {"input_ids": {0: batch, 1: seq}, "position_ids": {0: batch, 1: seq},
-               "logits_index": {0: batch}, "past": tuple({0: batch} for _ in past)}
+               "logits_index": {0: batch, 1: logits}, "past": tuple({0: batch} for _ in past)}
     table = {torch.ops.kvedge.cached_attention.default: low.translate}
     if low.translate_qlinear is not None:
         import kvedge.models.quant  # noqa: F401  (registers torch.ops.kvedge.qlinear)
@@ -93,7 +95,7 @@ def to_onnx(decoder: Decoder, lowering: str, max_seq_len: int, kv_scales=None):
 
 
 def _name_dynamic_axes(proto) -> None:
-    """Give every graph input/output the contract's axis names ('batch', 'seq')."""
+    """Give every graph input/output the contract's axis names ('batch', 'seq', 'logits')."""
     for vi in list(proto.graph.input) + list(proto.graph.output):
         dims = vi.type.tensor_type.shape.dim
         if not dims:
@@ -101,8 +103,8 @@ def _name_dynamic_axes(proto) -> None:
         dims[0].dim_param = "batch"
         if vi.name in ("input_ids", "position_ids"):
             dims[1].dim_param = "seq"
-        if vi.name == "logits":
-            dims[1].dim_value = 1
+        if vi.name in ("logits_index", "logits"):
+            dims[1].dim_param = "logits"
 
 
 def _save(proto, path: Path, data_name: str) -> str | None:

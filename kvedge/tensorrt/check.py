@@ -109,7 +109,8 @@ def _version_key(v: tuple[int, int], table: dict) -> int:
     return best
 
 
-def check(model_path: str | Path, trt_version: str, dynamic_axes: tuple[str, ...] = ("batch", "seq")) -> CheckReport:
+def check(model_path: str | Path, trt_version: str,
+          dynamic_axes: tuple[str, ...] = ("batch", "seq", "logits")) -> CheckReport:
     import onnx
 
     v = parse_version(trt_version)
