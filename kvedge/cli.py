@@ -619,8 +619,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(fn=cmd_serve)
 
     s = sub.add_parser("export", help="export a checkpoint to ONNX (KV cache as inputs/outputs) and verify it",
-                       description="Writes OUT/model.onnx, the tokenizer files and OUT/kvedge.json (last). "
-                                   "Verification runs the graph on ONNX Runtime CPU against PyTorch.")
+                       description="Writes OUT/model.onnx, the tokenizer files and OUT/kvedge.json (last). A "
+                                   "quantization is scored against the model without it in PyTorch first (the "
+                                   "quality gate: refused in seconds, before tracing); the graph is then verified on "
+                                   "ONNX Runtime CPU against PyTorch. A refused or failed export leaves OUT as it was.")
     s.add_argument("model", type=existing,
                    help="Hugging Face checkpoint folder (config.json + safetensors) or .gguf file")
     s.add_argument("-o", "--out", required=True, help="output folder")
@@ -630,7 +632,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-seq-len", type=number(int, min=2), default=2048, help="cache length (default 2048)")
     s.add_argument("--max-batch", type=POSITIVE, default=4, help="largest batch the runtime will bind (default 4)")
     s.add_argument("--force", action="store_true", help="overwrite a non-empty output folder")
-    s.add_argument("--no-verify", action="store_true", help="skip the ONNX Runtime vs PyTorch check")
+    s.add_argument("--no-verify", action="store_true", help="skip the checks: a quantization's quality gate and the graph on ONNX Runtime against "
+                   "PyTorch")
     s.add_argument("--verify-steps", type=NONNEGATIVE, default=16, help="decode steps to verify (default 16)")
     s.add_argument("--quantize", choices=("int8", "int4"), help="weight-only quantization, per group (--method)")
     s.add_argument("--symmetric", action="store_true",
