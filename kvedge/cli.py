@@ -55,6 +55,17 @@ def numbers(text: str) -> list[int]:
 POSITIVE, NONNEGATIVE = number(int, min=1), number(int, min=0)
 
 
+def _trt_version(text: str) -> str:
+    """A TensorRT version MAJOR.MINOR that kvedge knows (8.6 and later), checked while the command line is read."""
+    from kvedge.tensorrt.versions import select_path
+
+    try:
+        select_path(text)
+    except KvedgeError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
 def existing(text: str) -> str:
     """An argparse type for a path the command reads: a missing one is named as missing, not as the wrong kind of
     thing (`kvedge generate /nope` said the torch backend needed a checkpoint)."""
@@ -431,19 +442,26 @@ def _eval_progress(every_s: float = 2.0):
 
 
 def cmd_plan(args) -> int:
-    from kvedge.bench.plan import DEVICES, plan
+    from kvedge.bench.plan import DEVICES, plan, weight_options
     from kvedge.models import load_config
 
     cfg = load_config(args.model)
     p = plan(cfg, args.seq_len, args.batch, args.dtype, args.kv_dtype, args.memory_gb, args.device,
              quantize=args.quantize, group=args.group_size, quantize_lm_head=args.quantize_lm_head)
+    trt = args.trt_version or (DEVICES[args.device].tensorrt if args.device else None)
+    options = {} if p.usable_bytes is None else weight_options(
+        cfg, args.seq_len, args.batch, args.kv_dtype, memory_gb=args.memory_gb, device=args.device,
+        group=args.group_size, quantize_lm_head=args.quantize_lm_head)
+    deploy = _plan_recipe(options, trt, args.model) if options else []
     mib = 2**20
     info = {"model": f"{cfg.arch}, {cfg.num_layers} layers, {cfg.num_heads} q / {cfg.num_kv_heads} kv heads",
             "weights_bytes": p.weights_bytes, "kv_bytes": p.kv_bytes, "activation_bytes": p.activation_bytes,
             "total_bytes": p.total_bytes, "usable_bytes": p.usable_bytes, "fits": p.fits,
             "max_context_at_batch": p.max_context, "memory_max_context_at_batch": p.memory_max_context,
             "max_batch_at_seq_len": p.max_batch,
-            "kv_bytes_per_token_by_attention": p.kv_by_attention, "gqa_equivalent_kv_heads": p.gqa_kv_heads}
+            "kv_bytes_per_token_by_attention": p.kv_by_attention, "gqa_equivalent_kv_heads": p.gqa_kv_heads,
+            "weight_options": {w: {"fits": o.fits, "total_bytes": o.total_bytes, "max_context_at_batch": o.max_context}
+                               for w, o in options.items()}, "tensorrt": trt, "recipe": deploy}
     if args.device:
         d = DEVICES[args.device]
         info["device"] = f"{d.note}; {d.memory_gb} GiB, reserve {d.reserve_gb} GiB assumed"
@@ -469,24 +487,69 @@ def cmd_plan(args) -> int:
     for k, v in p.kv_by_attention.items():
         print(f"    {k:<48} {v / 1024:10.1f} KiB")
     print(f"  this model's cache is a GQA cache of {p.gqa_kv_heads:g} KV heads of head_dim {cfg.out_head_dim}")
+    if options:
+        print(f"  each weight choice at {args.seq_len} tokens, batch {args.batch} (KV {args.kv_dtype or 'fp16'}):")
+        for w, o in options.items():
+            flag = "fp16" if w == "fp16" else f"--quantize {w}"
+            capped = "" if o.max_context == o.memory_max_context else " (the model's limit)"
+            print(f"    {flag:<16} {o.total_bytes / mib:10.1f} MiB -> {'fits' if o.fits else 'DOES NOT FIT'}; "
+                  f"largest context {o.max_context} tokens{capped}")
+        print("\n".join(deploy))
     return 0 if p.fits in (None, True) else 1
 
 
+def _plan_recipe(options: dict, trt: str | None, model: str) -> list[str]:
+    """plan's last lines: the most faithful weight choice that fits the memory and that the device's TensorRT
+    builds, as commands; or a plain statement that none does and why, and what runs on the CPU instead."""
+    from kvedge.tensorrt.recipe import cpu_recipe, recipe
+
+    fitting = [w for w, o in options.items() if o.fits]
+    if not fitting:
+        best = max(options, key=lambda w: options[w].max_context or 0)
+        return [f"recipe: none: no weight choice fits at this context; the most, {best}, fits "
+                f"{options[best].max_context} tokens (a shorter --seq-len or a smaller --batch)"]
+    if trt is None:
+        return [f"recipe: {fitting[0]} fits; pass --trt-version X.Y for what TensorRT builds", cpu_recipe(fitting[0],
+                                                                                                         model)]
+    tried = [recipe(trt, w) for w in fitting]
+    good = next((r for r in tried if r.export is not None), None)
+    if good is not None:
+        return [f"recipe: {good.line(model)}"]
+    missing = [f"{w} does not fit" for w in options if w not in fitting]
+    return [f"recipe: none deploys on TensorRT {tried[0].tensorrt}: " + "; ".join(
+                missing + [f"{r.weights} fits, but {r.why}" for r in tried]),
+            cpu_recipe(fitting[0], model)]
+
+
 def cmd_check(args) -> int:
+    import onnx
+
+    from kvedge.artifact import SIDECAR, Sidecar
     from kvedge.tensorrt.check import check
+    from kvedge.tensorrt.recipe import cpu_recipe, graph_weights, recipe
     from kvedge.tensorrt.versions import select_path
 
     rep = check(args.model, args.trt_version)
     path = select_path(args.trt_version)
+    # what the way out must carry: the graph's quantized weights, else its float dtype (from its sidecar)
+    folder = Path(args.model).parent
+    sc = Sidecar.read(folder) if (folder / SIDECAR).is_file() else None
+    weights = graph_weights(onnx.load(args.model, load_external_data=False)) or (sc.dtype if sc else "fp16")
+    way = recipe(args.trt_version, weights)
+    model = (sc.extra.get("source_checkpoint") if sc else None) or "MODEL"
     if args.json:
         print(json.dumps({"tensorrt": args.trt_version, "buildable": rep.buildable, "lowering_wanted": path.lowering,
-                          "findings": [f.__dict__ for f in rep.findings]}, indent=2))
+                          "findings": [f.__dict__ for f in rep.findings], "weights": weights,
+                          "recipe": None if rep.buildable else way.__dict__}, indent=2))
     else:
         for f in rep.findings:
             print(f"{'error' if f.blocking else 'note'}: [{f.kind}] {f.message}")
         print(f"TensorRT {args.trt_version}: {'buildable' if rep.buildable else 'NOT buildable'} "
-              f"(this version wants --attention {path.lowering}; KV cache "
-              f"{'in place' if path.in_place_cache else 'double-buffered'})")
+              f"(KV cache {'in place' if path.in_place_cache else 'double-buffered'})")
+        if not rep.buildable:  # the way out that carries these weights, or why there is none
+            print(f"recipe: {way.line(model)}")
+            if way.export is None:
+                print(cpu_recipe(weights, model))
     return 0 if rep.buildable else 1
 
 
@@ -744,6 +807,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="cache dtype (default: --dtype); int8: 1 byte an element plus float32 scales per layer, KV "
                         "head and channel")
     s.add_argument("--quantize", choices=["int8", "int4"], help="weight-only quantized projections, as exported")
+    s.add_argument("--trt-version", type=_trt_version,
+                   help="the device's TensorRT, for the recipe (default: what a Jetson --device's JetPack ships)")
     s.add_argument("--group-size", type=int, choices=GROUP_SIZES, default=32)
     s.add_argument("--quantize-lm-head", action="store_true")
     s.add_argument("--json", action="store_true")
@@ -751,7 +816,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("check", help="pre-flight: would TensorRT X.Y build this ONNX graph? (no TensorRT needed)")
     s.add_argument("model", type=existing, help="model.onnx")
-    s.add_argument("--trt-version", required=True, help="e.g. 8.6, 10.3, 10.15, 11.0")
+    s.add_argument("--trt-version", required=True, type=_trt_version, help="e.g. 8.6, 10.3, 10.15, 11.0")
     s.add_argument("--json", action="store_true")
     s.set_defaults(fn=cmd_check)
 

@@ -53,11 +53,11 @@ ATTENTION_ATTRS_REFUSED = ("qk_matmul_output_mode", "softcap")
 # ONNX tensor dtypes: first TensorRT release that builds with them.
 DTYPE_SINCE = {1: (8, 6), 10: (8, 6), 6: (8, 6), 7: (8, 6), 9: (8, 6), 2: (8, 6), 3: (8, 6),
                16: (9, 0), 17: (9, 0), 22: (10, 0)}  # float, fp16, int32, int64, bool, uint8, int8, bf16, fp8, int4
-PLUGINS = {  # custom-domain op -> what provides it
-    ("com.microsoft", "GroupQueryAttention"): "ONNX Runtime's contrib op: no TensorRT implementation; "
-                                              "re-export with --attention onnx or decomposed",
+PLUGINS = {  # custom-domain op -> what provides it (which lowering to take instead depends on the weights it must
+    # carry: kvedge.tensorrt.recipe, which `kvedge check` prints last)
+    ("com.microsoft", "GroupQueryAttention"): "ONNX Runtime's contrib op: no TensorRT implementation",
     ("com.microsoft", "MatMulNBits"): "ONNX Runtime's contrib op (weight-only INT4/INT8): no TensorRT "
-                                      "implementation; re-export with --attention onnx (DequantizeLinear + MatMul)",
+                                      "implementation",
 }
 
 
@@ -122,7 +122,7 @@ def check(model_path: str | Path, trt_version: str,
     opset = next((i.version for i in model.opset_import if i.domain in ("", "ai.onnx")), None)
     if opset is not None and opset > max_opset:
         rep.findings.append(Finding("opset", f"graph opset {opset} is newer than TensorRT {trt_version}'s parser "
-                                             f"reads (<= {max_opset}); export with --attention decomposed (opset 17)"))
+                                             f"reads (<= {max_opset})"))  # the way out: kvedge.tensorrt.recipe
     seen: set[tuple[str, str]] = set()
     for node in model.graph.node:
         key = (node.domain or "", node.op_type)
