@@ -4,13 +4,14 @@ Every lowering's graph has the same inputs and outputs:
 
     input_ids       [batch, seq]                               int64
     position_ids    [batch, seq]                               int64  absolute, contiguous per row
-    logits_index    [batch]                                    int64  which chunk position's logits to return
+    logits_index    [batch, logits]                            int64  which chunk positions' logits to return
+                                                               (generation: 1, the last; kvedge eval: every one)
     past_key.{i}    [batch, kv_heads, max_seq_len, head_dim]   cache dtype   (one pair per layer; int8: the
                                                                graph holds the scales, sidecar "cache")
     past_value.{i}  [batch, kv_heads, max_seq_len, head_dim]   (MLA: past_key [batch, 1, max_seq_len, d_R], the
                                                                decoupled RoPE key; past_value [.., d_c], the latent)
   ->
-    logits          [batch, 1, vocab]                          float32 or the model dtype
+    logits          [batch, logits, vocab]                     float32 or the model dtype
     present_key.{i} [batch, kv_heads, max_seq_len, head_dim]   the updated cache: bind it to past's buffer
     present_value.{i}
 
@@ -36,6 +37,9 @@ from kvedge.models.config import ModelConfig
 SIDECAR = "kvedge.json"
 FORMAT = 1
 TOKEN_INPUTS = ("input_ids", "position_ids", "logits_index")  # every graph's first inputs, in this order
+# The most positions one call returns logits for: kvedge eval's chunk (logits for every position of it, teacher
+# forced), and what TensorRT's prefill profile admits on logits_index's second axis ("logits"). Generation asks 1.
+LOGITS_CHUNK = 64
 # The kvedge fused-attention plugin op the `trt` lowering writes and TensorRT's registry must hold. TensorRT finds
 # a node's plugin by (op type, plugin_version, plugin_namespace), and a tensorrt.plugin creator is always version
 # "1" (NVIDIA/TensorRT tensorrt/plugin/_lib.py, every release 10.6-11.1); kvedge's own schema of the node (its
@@ -74,9 +78,9 @@ def io_spec(cfg: ModelConfig, dtype: str, max_seq_len: int, kv_dtype: str | None
     inputs = [
         {"name": "input_ids", "dtype": "int64", "shape": ["batch", "seq"]},
         {"name": "position_ids", "dtype": "int64", "shape": ["batch", "seq"]},
-        {"name": "logits_index", "dtype": "int64", "shape": ["batch"]},
+        {"name": "logits_index", "dtype": "int64", "shape": ["batch", "logits"]},
     ] + [{"name": past, "dtype": cache_dtype, "shape": shape} for (past, _), shape in zip(pairs, shapes)]
-    outputs = [{"name": "logits", "dtype": logits_dtype(dtype), "shape": ["batch", 1, cfg.vocab_size]}] + [
+    outputs = [{"name": "logits", "dtype": logits_dtype(dtype), "shape": ["batch", "logits", cfg.vocab_size]}] + [
         {"name": present, "dtype": cache_dtype, "shape": shape} for (_, present), shape in zip(pairs, shapes)]
     return inputs, outputs
 
@@ -119,6 +123,12 @@ class Sidecar:
     @property
     def logits_dtype(self) -> str:
         return self.outputs[0]["dtype"]
+
+    @property
+    def logits_per_call(self) -> bool:
+        """Whether the graph returns several positions' logits a call (logits_index [batch, logits]); exports
+        of kvedge before 2026-12-05 take one position a row (logits_index [batch])."""
+        return len(self.inputs[TOKEN_INPUTS.index("logits_index")]["shape"]) == 2
 
     @property
     def cache_pairs(self) -> list[tuple[str, str]]:

@@ -16,6 +16,65 @@ from kvedge.errors import KvedgeError
 DEMO_PROMPT = "Once upon a time"
 
 
+class Parser(argparse.ArgumentParser):
+    """A usage mistake is one line like every other error (`kvedge: error: ...`, exit 2), not argparse's usage
+    block; --help still prints the usage."""
+
+    def error(self, message: str):
+        print(f"kvedge: error: {message} (see {self.prog} --help)", file=sys.stderr)
+        sys.exit(2)
+
+
+def number(kind=int, min=None, max=None, above=None):
+    """An argparse type: an int (or float) in [min, max] (above: strictly more than that), checked while the
+    command line is read, so that `--max-seq-len 0` is refused by name before anything is loaded."""
+    bounds = [f">= {min}" if min is not None else None, f"> {above}" if above is not None else None,
+              f"<= {max}" if max is not None else None]
+    want = f"{'an integer' if kind is int else 'a number'} {' and '.join(b for b in bounds if b)}".strip()
+
+    def parse(text: str):
+        try:
+            v = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {want}, got {text!r}") from None
+        if (min is not None and v < min) or (max is not None and v > max) or (above is not None and v <= above):
+            raise argparse.ArgumentTypeError(f"expected {want}, got {text}")
+        return v
+
+    return parse
+
+
+def numbers(text: str) -> list[int]:
+    """A comma-separated list of integers >= 1 (bench's --prompt-lens and --batch)."""
+    one = number(int, min=1)
+    try:
+        return [one(x) for x in text.split(",")]
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers >= 1, got {text!r}") from None
+
+
+POSITIVE, NONNEGATIVE = number(int, min=1), number(int, min=0)
+
+
+def _trt_version(text: str) -> str:
+    """A TensorRT version MAJOR.MINOR that kvedge knows (8.6 and later), checked while the command line is read."""
+    from kvedge.tensorrt.versions import select_path
+
+    try:
+        select_path(text)
+    except KvedgeError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+def existing(text: str) -> str:
+    """An argparse type for a path the command reads: a missing one is named as missing, not as the wrong kind of
+    thing (`kvedge generate /nope` said the torch backend needed a checkpoint)."""
+    if not Path(text).exists():
+        raise argparse.ArgumentTypeError(f"no such file or directory: {text}")
+    return text
+
+
 def _say(args, *parts) -> None:
     if not getattr(args, "quiet", False):
         print(*parts, file=sys.stderr, flush=True)
@@ -97,23 +156,25 @@ def _demo_real(args) -> int:
 
     model, out = Path(args.model), Path(args.out) / "onnx"
     cfg = load_config(model)
-    _say(args, f"[1/4] {model.name}: {cfg.arch}, {cfg.num_layers} layers, {cfg.num_heads} query / "
+    # the native engine twice: int16 activations (the float model's answer) and int8 ones (llama.cpp's scheme,
+    # the fastest; on a near tie its answer can differ, as llama.cpp's does)
+    answers = (("onnxruntime", out, "int8"), ("native", model, "int16"), ("native", model, "int8"))
+    total = 1 + len(answers) + 1  # the export, one answer each, parity and perplexity: numbered, never by hand
+    step = iter(f"[{i}/{total}]" for i in range(1, total + 1))
+    _say(args, f"{next(step)} {model.name}: {cfg.arch}, {cfg.num_layers} layers, {cfg.num_heads} query / "
                f"{cfg.num_kv_heads} KV heads; export to ONNX with the file's own integers, verified against PyTorch")
     export(model, out, ExportOptions(max_seq_len=512, max_batch=1, force=True), progress=_indented(args))
     prompt = args.prompt if args.prompt != DEMO_PROMPT else "What is the capital of France?"
     print(f"prompt (chat): {prompt!r}")
     ok = True
-    # the native engine twice: int16 activations (the float model's answer) and int8 ones (llama.cpp's scheme,
-    # the fastest; on a near tie its answer can differ, as llama.cpp's does)
-    for step, name, path, acts in (("2/4", "onnxruntime", out, "int8"), ("3/4", "native", model, "int16"),
-                                   ("3/4", "native", model, "int8")):
+    for name, path, acts in answers:
         label = name if name != "native" else f"native {acts}"
-        _say(args, f"[{step}] greedy chat answer on {label}")
+        _say(args, f"{next(step)} greedy chat answer on {label}")
         session = load(path, name, threads=args.threads, max_batch=1, max_seq_len=512, activations=acts)
         res = session.generate(prompt, chat=True, max_new_tokens=args.max_new_tokens)
         print(f"{label:>12}: {res.texts[0].strip()!r}  (prefill {res.prompt_tokens[0]} tokens in "
               f"{res.prefill_s * 1e3:.0f} ms; {res.decode_tokens_per_s:.1f} tokens/s)")
-    _say(args, "[4/4] parity of the export against torch (teacher-forced), and perplexity on held-out text")
+    _say(args, f"{next(step)} parity of the export against torch (teacher-forced), and perplexity on held-out text")
     ort = load(out, "onnxruntime", threads=args.threads, max_batch=1)
     ref = load(model, "torch", threads=args.threads, max_batch=1, max_seq_len=512)
     rep = compare(ort, ref, ort.tokenizer.encode(prompt), 8)
@@ -263,8 +324,7 @@ def cmd_bench(args) -> int:
     export_dir, ckpt = _resolve(args.path)
     if args.reference:
         ckpt = Path(args.reference)
-    prompt_lens = [int(x) for x in args.prompt_lens.split(",")]
-    batches = [int(x) for x in args.batch.split(",")]
+    prompt_lens, batches = args.prompt_lens, args.batch
     need = max(prompt_lens) + args.gen_len
     if export_dir is not None:
         from kvedge.artifact import Sidecar
@@ -335,11 +395,12 @@ def cmd_parity(args) -> int:
         prompt = torch.randint(3, reference.cfg.vocab_size, (args.prompt_len,), generator=g).tolist()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    ok = True
+    ok, written = True, []
     for name, open_session in sessions.items():
         rep = compare(open_session(), reference, prompt, args.steps, dtype, tol)
-        (out / f"parity-{name}.json").write_text(json.dumps(rep.to_json(), indent=2))
-        (out / f"parity-{name}.md").write_text(rep.markdown())
+        written += [out / f"parity-{name}.json", out / f"parity-{name}.md"]
+        written[-2].write_text(json.dumps(rep.to_json(), indent=2))
+        written[-1].write_text(rep.markdown())
         worst = max(rep.steps, key=lambda s: s.max_rel)
         print(f"{name} vs torch ({dtype}): {'PASSED' if rep.passed else 'FAILED'}; worst step {worst.step}: "
               f"max abs {worst.max_abs:.2e}, max rel {worst.max_rel:.2e}, cosine {min(s.cosine for s in rep.steps):.6f}; "
@@ -347,7 +408,7 @@ def cmd_parity(args) -> int:
               + ("agrees" if rep.greedy_agree else f"diverges at step {rep.first_divergent_step}")
               + ("" if rep.first_failing_step is None else f"; first failing step {rep.first_failing_step}"))
         ok &= rep.passed
-    _say(args, f"wrote {out}/parity-*.json and .md")
+    _say(args, "wrote " + ", ".join(map(str, written)))
     return 0 if ok else 1
 
 
@@ -364,7 +425,7 @@ def cmd_eval(args) -> int:
     rows, text = heldout_rows(export_dir or ckpt, session.cfg, args.text, args.tokens)
     _say(args, f"evaluating {name} on {text['tokens']} tokens of the {text['text']} text"
          + (" against torch" if reference else ""))
-    rep = evaluate(session, rows, text, reference)
+    rep = evaluate(session, rows, text, reference, progress=None if args.quiet else _eval_progress())
     if args.json:
         print(json.dumps(rep.to_json(), indent=2))
     else:
@@ -372,24 +433,49 @@ def cmd_eval(args) -> int:
         if reference is not None:
             line += (f"; torch (reference) {rep.reference_perplexity:.4f}; top-1 agreement {rep.top1_agreement:.1%}, "
                      f"mean cosine {rep.mean_cosine:.6f}")
-        print(line)
+        print(line + f" ({rep.seconds:.1f} s{'' if reference is None else f', torch {rep.reference_seconds:.1f} s'})")
     return 0
 
 
+def _eval_progress(every_s: float = 2.0):
+    """eval's progress lines on stderr: tokens scored and the running perplexity, every few seconds and at the
+    end (a long run shows it is moving; a short one prints its last line only)."""
+    import time
+
+    t0 = last = time.perf_counter()
+
+    def show(done: int, total: int, perplexity: float) -> None:
+        nonlocal last
+        now = time.perf_counter()
+        if now - last >= every_s or done == total:
+            last = now
+            print(f"  {done}/{total} tokens, perplexity {perplexity:.4f} ({now - t0:.1f} s)", file=sys.stderr,
+                  flush=True)
+
+    return show
+
+
 def cmd_plan(args) -> int:
-    from kvedge.bench.plan import DEVICES, plan
+    from kvedge.bench.plan import DEVICES, plan, weight_options
     from kvedge.models import load_config
 
     cfg = load_config(args.model)
     p = plan(cfg, args.seq_len, args.batch, args.dtype, args.kv_dtype, args.memory_gb, args.device,
              quantize=args.quantize, group=args.group_size, quantize_lm_head=args.quantize_lm_head)
+    trt = args.trt_version or (DEVICES[args.device].tensorrt if args.device else None)
+    options = {} if p.usable_bytes is None else weight_options(
+        cfg, args.seq_len, args.batch, args.kv_dtype, memory_gb=args.memory_gb, device=args.device,
+        group=args.group_size, quantize_lm_head=args.quantize_lm_head)
+    deploy = _plan_recipe(options, trt, args.model) if options else []
     mib = 2**20
     info = {"model": f"{cfg.arch}, {cfg.num_layers} layers, {cfg.num_heads} q / {cfg.num_kv_heads} kv heads",
             "weights_bytes": p.weights_bytes, "kv_bytes": p.kv_bytes, "activation_bytes": p.activation_bytes,
             "total_bytes": p.total_bytes, "usable_bytes": p.usable_bytes, "fits": p.fits,
             "max_context_at_batch": p.max_context, "memory_max_context_at_batch": p.memory_max_context,
             "max_batch_at_seq_len": p.max_batch,
-            "kv_bytes_per_token_by_attention": p.kv_by_attention, "gqa_equivalent_kv_heads": p.gqa_kv_heads}
+            "kv_bytes_per_token_by_attention": p.kv_by_attention, "gqa_equivalent_kv_heads": p.gqa_kv_heads,
+            "weight_options": {w: {"fits": o.fits, "total_bytes": o.total_bytes, "max_context_at_batch": o.max_context}
+                               for w, o in options.items()}, "tensorrt": trt, "recipe": deploy}
     if args.device:
         d = DEVICES[args.device]
         info["device"] = f"{d.note}; {d.memory_gb} GiB, reserve {d.reserve_gb} GiB assumed"
@@ -415,24 +501,69 @@ def cmd_plan(args) -> int:
     for k, v in p.kv_by_attention.items():
         print(f"    {k:<48} {v / 1024:10.1f} KiB")
     print(f"  this model's cache is a GQA cache of {p.gqa_kv_heads:g} KV heads of head_dim {cfg.out_head_dim}")
+    if options:
+        print(f"  each weight choice at {args.seq_len} tokens, batch {args.batch} (KV {args.kv_dtype or 'fp16'}):")
+        for w, o in options.items():
+            flag = "fp16" if w == "fp16" else f"--quantize {w}"
+            capped = "" if o.max_context == o.memory_max_context else " (the model's limit)"
+            print(f"    {flag:<16} {o.total_bytes / mib:10.1f} MiB -> {'fits' if o.fits else 'DOES NOT FIT'}; "
+                  f"largest context {o.max_context} tokens{capped}")
+        print("\n".join(deploy))
     return 0 if p.fits in (None, True) else 1
 
 
+def _plan_recipe(options: dict, trt: str | None, model: str) -> list[str]:
+    """plan's last lines: the most faithful weight choice that fits the memory and that the device's TensorRT
+    builds, as commands; or a plain statement that none does and why, and what runs on the CPU instead."""
+    from kvedge.tensorrt.recipe import cpu_recipe, recipe
+
+    fitting = [w for w, o in options.items() if o.fits]
+    if not fitting:
+        best = max(options, key=lambda w: options[w].max_context or 0)
+        return [f"recipe: none: no weight choice fits at this context; the most, {best}, fits "
+                f"{options[best].max_context} tokens (a shorter --seq-len or a smaller --batch)"]
+    if trt is None:
+        return [f"recipe: {fitting[0]} fits; pass --trt-version X.Y for what TensorRT builds", cpu_recipe(fitting[0],
+                                                                                                         model)]
+    tried = [recipe(trt, w) for w in fitting]
+    good = next((r for r in tried if r.export is not None), None)
+    if good is not None:
+        return [f"recipe: {good.line(model)}"]
+    missing = [f"{w} does not fit" for w in options if w not in fitting]
+    return [f"recipe: none deploys on TensorRT {tried[0].tensorrt}: " + "; ".join(
+                missing + [f"{r.weights} fits, but {r.why}" for r in tried]),
+            cpu_recipe(fitting[0], model)]
+
+
 def cmd_check(args) -> int:
+    import onnx
+
+    from kvedge.artifact import SIDECAR, Sidecar
     from kvedge.tensorrt.check import check
+    from kvedge.tensorrt.recipe import cpu_recipe, graph_weights, recipe
     from kvedge.tensorrt.versions import select_path
 
     rep = check(args.model, args.trt_version)
     path = select_path(args.trt_version)
+    # what the way out must carry: the graph's quantized weights, else its float dtype (from its sidecar)
+    folder = Path(args.model).parent
+    sc = Sidecar.read(folder) if (folder / SIDECAR).is_file() else None
+    weights = graph_weights(onnx.load(args.model, load_external_data=False)) or (sc.dtype if sc else "fp16")
+    way = recipe(args.trt_version, weights)
+    model = (sc.extra.get("source_checkpoint") if sc else None) or "MODEL"
     if args.json:
         print(json.dumps({"tensorrt": args.trt_version, "buildable": rep.buildable, "lowering_wanted": path.lowering,
-                          "findings": [f.__dict__ for f in rep.findings]}, indent=2))
+                          "findings": [f.__dict__ for f in rep.findings], "weights": weights,
+                          "recipe": None if rep.buildable else way.__dict__}, indent=2))
     else:
         for f in rep.findings:
             print(f"{'error' if f.blocking else 'note'}: [{f.kind}] {f.message}")
         print(f"TensorRT {args.trt_version}: {'buildable' if rep.buildable else 'NOT buildable'} "
-              f"(this version wants --attention {path.lowering}; KV cache "
-              f"{'in place' if path.in_place_cache else 'double-buffered'})")
+              f"(KV cache {'in place' if path.in_place_cache else 'double-buffered'})")
+        if not rep.buildable:  # the way out that carries these weights, or why there is none
+            print(f"recipe: {way.line(model)}")
+            if way.export is None:
+                print(cpu_recipe(weights, model))
     return 0 if rep.buildable else 1
 
 
@@ -474,12 +605,12 @@ def _runtime_args(s: argparse.ArgumentParser, seq_len_help: str) -> None:
                    help="native backend: a checkpoint's projections and lm_head, rounded per group of 32 (symmetric) "
                         "as `kvedge export --quantize ... --symmetric --quantize-lm-head`; a GGUF file's and a "
                         "pre-quantized AWQ / GPTQ checkpoint's integers are kept as they are (default int4)")
-    s.add_argument("--max-seq-len", type=int, default=2048, help=seq_len_help)
+    s.add_argument("--max-seq-len", type=number(int, min=2), default=2048, help=seq_len_help)
     s.add_argument("--kv-dtype", choices=("fp16", "int8"), default=None,
                    help="torch and native backends, float32 models: fp16, a float16 cache (half of float32's bytes; K "
                         "and V rounded on write, as llama.cpp's default cache), or int8 (calibrated on the built-in "
                         "text; a quarter); default float32. An export's cache dtype is set by kvedge export --kv-dtype")
-    s.add_argument("--threads", type=int, default=0, help="CPU threads (default: the runtime's choice)")
+    s.add_argument("--threads", type=NONNEGATIVE, default=0, help="CPU threads (default: the runtime's choice)")
     _activations_arg(s)
 
 
@@ -492,10 +623,12 @@ def _open(args, max_batch: int):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from kvedge.dtypes import FLOATS, KV_DTYPES
     from kvedge.export.lowerings import LOWERINGS
+    from kvedge.export.prepare import GROUP_SIZES
     from kvedge.runtime.backends import BACKENDS
 
-    p = argparse.ArgumentParser(prog="kvedge", description=__doc__)
+    p = Parser(prog="kvedge", description=__doc__)
     p.add_argument("--version", action="version", version=f"kvedge {__version__}")
     p.add_argument("--debug", action="store_true", help="show tracebacks on errors")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -503,13 +636,13 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("demo", help="run the pipeline on a real GGUF model (--model) or the built-in random one",
                        description="Nothing is downloaded: `make demo` fetches the pinned real model at setup and "
                                    "passes it as --model.")
-    s.add_argument("--model", metavar="FILE.gguf", help="a GGUF model (make demo: SmolLM2-135M-Instruct Q4_1); "
+    s.add_argument("--model", metavar="FILE.gguf", type=existing, help="a GGUF model (make demo: SmolLM2-135M-Instruct Q4_1); "
                    "default: the built-in random-weight demo checkpoint")
     s.add_argument("--out", default="demo", help="working folder (default: ./demo)")
     s.add_argument("--prompt", default=DEMO_PROMPT, help="prompt text (with --model: a chat question, default "
                    "'What is the capital of France?')")
-    s.add_argument("--max-new-tokens", type=int, default=64)
-    s.add_argument("--threads", type=int, default=0, help="CPU threads (default: the runtime's choice)")
+    s.add_argument("--max-new-tokens", type=POSITIVE, default=64)
+    s.add_argument("--threads", type=NONNEGATIVE, default=0, help="CPU threads (default: the runtime's choice)")
     s.add_argument("--quiet", action="store_true", help="no progress lines")
     s.set_defaults(fn=cmd_demo)
 
@@ -517,16 +650,17 @@ def build_parser() -> argparse.ArgumentParser:
                        "native)", description="Streams the text as it is produced, then prints prefill time and "
                        "tokens/s. --backend native runs a checkpoint on kvedge's C engine for weight-only INT4/INT8 "
                        "on the CPU (compiled at first use; needs a C compiler).")
-    s.add_argument("path", help="export folder (kvedge.json) or Hugging Face checkpoint folder")
+    s.add_argument("path", type=existing,
+                   help="export folder (kvedge.json), Hugging Face checkpoint folder or .gguf file")
     s.add_argument("--prompt", help="prompt text")
     s.add_argument("--ids", help="prompt as comma-separated token ids instead of text")
     _backend_arg(s, BACKENDS)
     _runtime_args(s, "torch and native backends' cache length (default 2048)")
-    s.add_argument("--max-new-tokens", type=int, default=64)
-    s.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
-    s.add_argument("--top-k", type=int, default=0)
-    s.add_argument("--top-p", type=float, default=1.0)
-    s.add_argument("--repetition-penalty", type=float, default=1.0)
+    s.add_argument("--max-new-tokens", type=POSITIVE, default=64)
+    s.add_argument("--temperature", type=number(float, min=0), default=0.0, help="0 (default) is greedy")
+    s.add_argument("--top-k", type=NONNEGATIVE, default=0, help="0 (default): no top-k cut")
+    s.add_argument("--top-p", type=number(float, above=0, max=1), default=1.0)
+    s.add_argument("--repetition-penalty", type=number(float, above=0), default=1.0)
     s.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
     s.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     s.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
@@ -542,16 +676,17 @@ def build_parser() -> argparse.ArgumentParser:
                        "one takes a free row at the next step and its prompt is prefilled in chunks while the others "
                        "keep decoding; past --max-queue waiting requests the server answers 429. Needs "
                        "pip install 'kvedge[serve]'. See docs/serve.md.")
-    s.add_argument("path", help="export folder (kvedge.json), Hugging Face checkpoint folder or .gguf file")
+    s.add_argument("path", type=existing,
+                   help="export folder (kvedge.json), Hugging Face checkpoint folder or .gguf file")
     _backend_arg(s, BACKENDS)
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
-    s.add_argument("--port", type=int, default=8000, help="default 8000")
-    s.add_argument("--max-batch", type=int, default=4, help="cache rows: requests generating at once (default 4)")
-    s.add_argument("--max-queue", type=int, default=16,
+    s.add_argument("--port", type=number(int, min=0, max=65535), default=8000, help="default 8000")
+    s.add_argument("--max-batch", type=POSITIVE, default=4, help="cache rows: requests generating at once (default 4)")
+    s.add_argument("--max-queue", type=NONNEGATIVE, default=16,
                    help="requests that may wait for a row; past that the server answers 429 (default 16)")
     _runtime_args(s, "torch and native backends: tokens per row, prompt + completion (default 2048; an export's "
                      "is fixed)")
-    s.add_argument("--prefill-chunk", type=int,
+    s.add_argument("--prefill-chunk", type=POSITIVE,
                    help="prompt tokens prefilled per step while other rows decode (default 256)")
     s.add_argument("--api-key", default=os.environ.get("KVEDGE_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on every route but /health (default: $KVEDGE_API_KEY; "
@@ -561,9 +696,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(fn=cmd_serve)
 
     s = sub.add_parser("export", help="export a checkpoint to ONNX (KV cache as inputs/outputs) and verify it",
-                       description="Writes OUT/model.onnx, the tokenizer files and OUT/kvedge.json (last). "
-                                   "Verification runs the graph on ONNX Runtime CPU against PyTorch.")
-    s.add_argument("model", help="Hugging Face checkpoint directory")
+                       description="Writes OUT/model.onnx, the tokenizer files and OUT/kvedge.json (last). A "
+                                   "quantization is scored against the model without it in PyTorch first (the "
+                                   "quality gate: refused in seconds, before tracing); the graph is then verified on "
+                                   "ONNX Runtime CPU against PyTorch. A refused or failed export leaves OUT as it was.")
+    s.add_argument("model", type=existing,
+                   help="Hugging Face checkpoint folder (config.json + safetensors) or .gguf file")
     s.add_argument("-o", "--out", required=True, help="output folder")
     s.add_argument("--dtype", choices=("fp32", "fp16", "bf16"), default="fp32")
     s.add_argument("--attention", choices=list(LOWERINGS),
@@ -574,11 +712,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "lowering and the weight form it builds (int4 blocks of 128 or 64 from 10.0, per-channel "
                         "int8), symmetric; a GGUF file's 4-bit blocks are kept, its other types requantized "
                         "(docs/tensorrt.md)")
-    s.add_argument("--max-seq-len", type=int, default=2048, help="cache length (default 2048)")
-    s.add_argument("--max-batch", type=int, default=4, help="largest batch the runtime will bind (default 4)")
+    s.add_argument("--max-seq-len", type=number(int, min=2), default=2048, help="cache length (default 2048)")
+    s.add_argument("--max-batch", type=POSITIVE, default=4, help="largest batch the runtime will bind (default 4)")
     s.add_argument("--force", action="store_true", help="overwrite a non-empty output folder")
-    s.add_argument("--no-verify", action="store_true", help="skip the ONNX Runtime vs PyTorch check")
-    s.add_argument("--verify-steps", type=int, default=16, help="decode steps to verify (default 16)")
+    s.add_argument("--no-verify", action="store_true", help="skip the checks: a quantization's quality gate and the graph on ONNX Runtime against "
+                   "PyTorch")
+    s.add_argument("--verify-steps", type=NONNEGATIVE, default=16, help="decode steps to verify (default 16)")
     s.add_argument("--quantize", choices=("int8", "int4"), help="weight-only quantization, per group (--method)")
     s.add_argument("--symmetric", action="store_true",
                    help="symmetric groups (zero point at the midpoint): with --attention onnx the weights become "
@@ -593,14 +732,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="KV cache dtype: the model's --dtype (default), or int8 (--attention ort): half of fp16's "
                         "bytes, symmetric per layer, KV head and channel, scales calibrated on --calibration-text "
                         "(docs/quantization.md)")
-    s.add_argument("--calibration-text", metavar="FILE",
+    s.add_argument("--calibration-text", metavar="FILE", type=existing,
                    help="UTF-8 text for GPTQ and int8 KV calibration (default: a built-in English text)")
-    s.add_argument("--calibration-tokens", type=int, default=2048, metavar="N",
+    s.add_argument("--calibration-tokens", type=number(int, min=2), default=2048, metavar="N",
                    help="use at most N tokens of the calibration (and evaluation) text (default 2048)")
-    s.add_argument("--eval-text", metavar="FILE",
+    s.add_argument("--eval-text", metavar="FILE", type=existing,
                    help="UTF-8 text the quality report (perplexity, top-1 against the unquantized model) measures on; "
                         "default: a built-in English text disjoint from the calibration text")
-    s.add_argument("--group-size", type=int,
+    s.add_argument("--group-size", type=int, choices=GROUP_SIZES,
                    help="quantization group size (default 32; with --trt-version as it says); 0: per channel")
     s.add_argument("--quantize-lm-head", action="store_true",
                    help="quantize the lm_head too (tied embeddings: a quantized copy; the embedding stays fp)")
@@ -613,17 +752,19 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(fn=cmd_export)
 
     s = sub.add_parser("bench", help="latency and memory per backend: table, JSON, CSV, Markdown and PNG plots")
-    s.add_argument("path", help="export folder (onnxruntime; torch via its source checkpoint) or checkpoint")
+    s.add_argument("path", type=existing, help="export folder (onnxruntime; torch via its source checkpoint), "
+                   "checkpoint folder or .gguf file")
     s.add_argument("--backend", default="onnxruntime,torch", help=f"comma-separated, of {','.join(BACKENDS)} "
                    "(native: kvedge's C engine on the export's checkpoint, quantized as the export was)")
-    s.add_argument("--prompt-lens", default="128,512")
-    s.add_argument("--gen-len", type=int, default=128)
-    s.add_argument("--batch", default="1", help="comma-separated batch sizes")
-    s.add_argument("--warmup", type=int, default=1)
-    s.add_argument("--repeat", type=int, default=3)
-    s.add_argument("--threads", type=int, default=0)
+    s.add_argument("--prompt-lens", type=numbers, default=[128, 512], help="comma-separated (default 128,512)")
+    s.add_argument("--gen-len", type=POSITIVE, default=128)
+    s.add_argument("--batch", type=numbers, default=[1], help="comma-separated batch sizes (default 1)")
+    s.add_argument("--warmup", type=NONNEGATIVE, default=1)
+    s.add_argument("--repeat", type=POSITIVE, default=3)
+    s.add_argument("--threads", type=NONNEGATIVE, default=0)
     _activations_arg(s)
-    s.add_argument("--reference", help="checkpoint for the torch backend (default: the one the export recorded)")
+    s.add_argument("--reference", type=existing,
+                   help="checkpoint for the torch backend (default: the one the export recorded)")
     s.add_argument("--device", default=None, help="torch device (default: cuda if present, else cpu)")
     s.add_argument("-o", "--out", default="bench-report", help="report folder (default ./bench-report)")
     s.add_argument("--json", action="store_true")
@@ -631,17 +772,20 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(fn=cmd_bench)
 
     s = sub.add_parser("parity", help="compare a backend with the PyTorch reference step by step")
-    s.add_argument("path", help="export folder (its source checkpoint is the reference) or checkpoint")
+    s.add_argument("path", type=existing, help="export folder (its source checkpoint is the reference), checkpoint "
+                   "folder or .gguf file")
     s.add_argument("--backend", default="onnxruntime", help=f"comma-separated, of {','.join(BACKENDS)}")
-    s.add_argument("--steps", type=int, default=32)
-    s.add_argument("--prompt-len", type=int, default=16, help="length of the seeded random prompt")
+    s.add_argument("--steps", type=POSITIVE, default=32)
+    s.add_argument("--prompt-len", type=POSITIVE, default=16, help="length of the seeded random prompt")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--ids", help="the prompt as comma-separated token ids (instead of a random one)")
     s.add_argument("--dtype", choices=("fp32", "fp16", "bf16"), help="tolerance preset (default: the export's)")
-    s.add_argument("--max-rel", type=float, help="override: max |logit error| / max(1, largest |logit|)")
-    s.add_argument("--min-cosine", type=float, help="override: minimum cosine per step")
-    s.add_argument("--reference", help="checkpoint to compare against (default: the one the export recorded)")
-    s.add_argument("--threads", type=int, default=0)
+    s.add_argument("--max-rel", type=number(float, above=0),
+                   help="override: max |logit error| / max(1, largest |logit|)")
+    s.add_argument("--min-cosine", type=number(float, min=-1, max=1), help="override: minimum cosine per step")
+    s.add_argument("--reference", type=existing,
+                   help="checkpoint to compare against (default: the one the export recorded)")
+    s.add_argument("--threads", type=NONNEGATIVE, default=0)
     _activations_arg(s)
     s.add_argument("-o", "--out", default="parity-report")
     s.add_argument("--quiet", action="store_true")
@@ -649,54 +793,61 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("eval", help="quality on held-out text: perplexity, and top-1 / cosine against torch",
                        description="Each position teacher-forced through the backend's cache, rows of at most 256 "
-                                   "tokens. The reference is the export's source checkpoint (or --reference) on the "
+                                   "tokens read in chunks of 64: one forward a chunk returns the logits of every "
+                                   "position in it. Progress lines go to stderr. The reference is the export's source checkpoint (or --reference) on the "
                                    "torch backend; a checkpoint or GGUF file on another backend is compared with "
                                    "itself on torch.")
-    s.add_argument("path", help="export folder, checkpoint folder or .gguf file")
+    s.add_argument("path", type=existing, help="export folder, checkpoint folder or .gguf file")
     _backend_arg(s, BACKENDS, "torch otherwise")
-    s.add_argument("--text", metavar="FILE", help="UTF-8 text (default: kvedge's built-in held-out English text, "
+    s.add_argument("--text", metavar="FILE", type=existing,
+                   help="UTF-8 text (default: kvedge's built-in held-out English text, "
                    "disjoint from the calibration text)")
-    s.add_argument("--tokens", type=int, default=2048, help="at most this many tokens of it (default 2048)")
-    s.add_argument("--reference", help="checkpoint to compare against (default: the export's source checkpoint)")
-    s.add_argument("--batch", type=int, default=4, help="rows evaluated together (default 4)")
-    s.add_argument("--threads", type=int, default=0)
+    s.add_argument("--tokens", type=number(int, min=2), default=2048,
+                   help="at most this many tokens of it (default 2048)")
+    s.add_argument("--reference", type=existing,
+                   help="checkpoint to compare against (default: the export's source checkpoint)")
+    s.add_argument("--batch", type=POSITIVE, default=4, help="rows evaluated together (default 4)")
+    s.add_argument("--threads", type=NONNEGATIVE, default=0)
     _activations_arg(s)
     s.add_argument("--json", action="store_true")
     s.add_argument("--quiet", action="store_true")
     s.set_defaults(fn=cmd_eval)
 
     s = sub.add_parser("plan", help="memory plan: weights + KV cache + activations against a device")
-    s.add_argument("model", help="checkpoint directory or config.json")
+    s.add_argument("model", type=existing, help="checkpoint folder, its config.json or a .gguf file")
     from kvedge.bench.plan import DEVICES
 
     s.add_argument("--device", help="a known device: " + ", ".join(DEVICES))
-    s.add_argument("--memory-gb", type=float, help="usable memory in GiB (instead of --device)")
-    s.add_argument("--seq-len", type=int, default=4096)
-    s.add_argument("--batch", type=int, default=1)
-    s.add_argument("--dtype", default="fp16", help="weight dtype: fp32, fp16, bf16, int8, int4")
-    s.add_argument("--kv-dtype", default=None, choices=("fp32", "fp16", "bf16", "int8", "fp8"),
-                   help="cache dtype (default: --dtype); int8 and fp8: 1 byte an element plus float32 scales per "
-                        "layer, KV head and channel")
+    s.add_argument("--memory-gb", type=number(float, above=0), help="usable memory in GiB (instead of --device)")
+    s.add_argument("--seq-len", type=POSITIVE, default=4096)
+    s.add_argument("--batch", type=POSITIVE, default=1)
+    s.add_argument("--dtype", default="fp16", choices=(*FLOATS, "int8", "int4"),
+                   help="weight dtype (int8 / int4: fp16 with --quantize)")
+    s.add_argument("--kv-dtype", default=None, choices=KV_DTYPES,  # what an export or a backend can hold
+                   help="cache dtype (default: --dtype); int8: 1 byte an element plus float32 scales per layer, KV "
+                        "head and channel")
     s.add_argument("--quantize", choices=["int8", "int4"], help="weight-only quantized projections, as exported")
-    s.add_argument("--group-size", type=int, default=32)
+    s.add_argument("--trt-version", type=_trt_version,
+                   help="the device's TensorRT, for the recipe (default: what a Jetson --device's JetPack ships)")
+    s.add_argument("--group-size", type=int, choices=GROUP_SIZES, default=32)
     s.add_argument("--quantize-lm-head", action="store_true")
     s.add_argument("--json", action="store_true")
     s.set_defaults(fn=cmd_plan)
 
     s = sub.add_parser("check", help="pre-flight: would TensorRT X.Y build this ONNX graph? (no TensorRT needed)")
-    s.add_argument("model", help="model.onnx")
-    s.add_argument("--trt-version", required=True, help="e.g. 8.6, 10.3, 10.15, 11.0")
+    s.add_argument("model", type=existing, help="model.onnx")
+    s.add_argument("--trt-version", required=True, type=_trt_version, help="e.g. 8.6, 10.3, 10.15, 11.0")
     s.add_argument("--json", action="store_true")
     s.set_defaults(fn=cmd_check)
 
     s = sub.add_parser("build", help="build model.engine with TensorRT (on the device; needs TensorRT + GPU)")
-    s.add_argument("path", help="export folder")
+    s.add_argument("path", type=existing, help="export folder")
     s.add_argument("--precision", choices=("fp16", "bf16", "fp32"), default="fp16")
-    s.add_argument("--max-batch", type=int)
-    s.add_argument("--max-prefill-len", type=int)
-    s.add_argument("--workspace-gb", type=float, default=4.0)
+    s.add_argument("--max-batch", type=POSITIVE)
+    s.add_argument("--max-prefill-len", type=POSITIVE)
+    s.add_argument("--workspace-gb", type=number(float, above=0), default=4.0)
     s.add_argument("--timing-cache", help="timing cache file, read and updated")
-    s.add_argument("--opt-level", type=int, default=3)
+    s.add_argument("--opt-level", type=int, choices=range(6), default=3, metavar="{0..5}")
     s.add_argument("--quiet", action="store_true")
     s.set_defaults(fn=cmd_build)
 
@@ -707,7 +858,7 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("import-gguf", help="write a GGUF file as a Hugging Face folder (config, safetensors, tokenizer)",
                        description="Weights are the file's values (quantized tensors dequantized exactly, to float32). "
                                    "Every other command also takes the .gguf file directly.")
-    s.add_argument("gguf", help="the .gguf file")
+    s.add_argument("gguf", type=existing, help="the .gguf file")
     s.add_argument("-o", "--out", required=True, help="output folder")
     s.add_argument("--force", action="store_true", help="write into a non-empty folder")
     s.set_defaults(fn=cmd_import_gguf)
@@ -719,8 +870,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(fn=cmd_make_demo)
 
     s = sub.add_parser("info", help="summarize a checkpoint's config: heads, GQA ratio, KV-cache bytes per token")
-    s.add_argument("model", help="checkpoint directory (or config.json)")
-    s.add_argument("--kv-dtype", default="fp16", help="cache dtype for the size figures (default fp16)")
+    s.add_argument("model", type=existing, help="checkpoint folder, its config.json or a .gguf file")
+    s.add_argument("--kv-dtype", default="fp16", choices=KV_DTYPES,
+                   help="cache dtype for the size figures (default fp16)")
     s.add_argument("--json", action="store_true", help="machine-readable output")
     s.set_defaults(fn=cmd_info)
     return p
@@ -742,6 +894,14 @@ def raised_by(e: BaseException) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except BrokenPipeError:  # the reader went away (`kvedge plan ... | head -3`): stop quietly, as `head` expects
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the flush at exit would raise again
+        return 141  # what a shell reports for a command ended by SIGPIPE
+
+
+def _main(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.fn(args)

@@ -74,7 +74,8 @@ def features(f: dict) -> list[dict]:
         *(row(b.feature, b.available(f), b.needs) for b in BACKENDS.values()),
         row("onnxruntime backend (CUDA)", "CUDAExecutionProvider" in f["onnxruntime_providers"] and gpu,
             "an NVIDIA GPU and onnxruntime-gpu (on a Jetson: the wheel built for its JetPack)"),
-        row("Triton fused attention", f["triton"] and gpu, "pip install triton, and a CUDA GPU"),
+        row("Triton fused attention", f["triton"] and gpu,  # installed, it still runs only on a GPU
+            "a CUDA GPU (triton is installed)" if f["triton"] else "pip install triton, and a CUDA GPU"),
         row("text prompts", f["tokenizers"], "pip install tokenizers"),
         row("chat templates", f["jinja2"], "pip install jinja2"),
         row("bench plots", f["matplotlib"], "pip install 'kvedge[bench]'"),

@@ -55,7 +55,7 @@ def test_an_onnxruntime_failure_is_one_line_and_exit_code_2(exported, tmp_path, 
         main(["--debug", *argv])
 
 
-def test_a_bug_keeps_its_traceback(monkeypatch):
+def test_a_bug_keeps_its_traceback(monkeypatch, tmp_path):
     """Only kvedge's own errors and those raised by onnxruntime or TensorRT become one line: anything else is a bug
     and keeps its traceback."""
     import pytest
@@ -67,4 +67,4 @@ def test_a_bug_keeps_its_traceback(monkeypatch):
 
     monkeypatch.setattr(kvedge.cli, "cmd_info", broken)
     with pytest.raises(ZeroDivisionError):
-        main(["info", "x"])
+        main(["info", str(tmp_path)])

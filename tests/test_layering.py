@@ -33,7 +33,7 @@ MAY_IMPORT = {  # component -> the components its modules may import (besides it
     "bench": LEAVES | {"models", "artifact", "runtime", "jetson"},
     "serve": LEAVES | {"models", "artifact", "runtime"},
 }
-TOP = {"cli", "doctor", "__init__"}  # may import anything (lazily)
+TOP = {"cli", "__main__", "doctor", "__init__"}  # may import anything (lazily)
 
 
 def component(module: str) -> str:

@@ -8,7 +8,8 @@ Every figure says what it is:
 - weights_bytes: parameter bytes (torch), initializer bytes in the ONNX file (onnxruntime), or what the
   native engine reads besides its caches (native);
 - kv_formula_bytes (2 * layers * kv_heads * head_dim * bytes * max_seq_len * max_batch) and
-  kv_allocated_bytes (the backend's cache tensors): they must agree;
+  kv_allocated_bytes (the backend's cache tensors): they must agree; kv_max_seq_len and kv_max_batch, the
+  cache's size (an export's is fixed at export, a checkpoint backend's is what the run needs);
 - peak_rss_bytes: the process's peak resident set while this backend loaded and ran (Linux: VmHWM,
   reset before each backend through /proc/self/clear_refs); peak_gpu_bytes when a GPU is used.
 """
@@ -48,6 +49,8 @@ class Result:
     kv_allocated_bytes: int
     peak_rss_bytes: int
     peak_gpu_bytes: int | None
+    kv_max_seq_len: int = 0  # the cache's tokens a row and rows: backends of one run may differ (see plots)
+    kv_max_batch: int = 0
 
 
 def percentile(xs: list[float], q: float) -> float:
@@ -130,7 +133,8 @@ def run(sessions: dict[str, Callable], prompt_lens: list[int], batches: list[int
                 m = measure(session, pl, b, gen_len, warmup, repeat)
                 gpu = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None
                 results.append(Result(name, pl, b, gen_len, **m, weights_bytes=w, kv_formula_bytes=kv_formula,
-                                      kv_allocated_bytes=kv_alloc, peak_rss_bytes=peak_rss(), peak_gpu_bytes=gpu))
+                                      kv_allocated_bytes=kv_alloc, peak_rss_bytes=peak_rss(), peak_gpu_bytes=gpu,
+                                      kv_max_seq_len=be.max_seq_len, kv_max_batch=be.max_batch))
         del session
     return results
 
@@ -162,21 +166,29 @@ def write_reports(results: list[Result], out: Path, context: dict) -> list[Path]
         w.writeheader()
         w.writerows(rows)
     md = ["# kvedge bench", "", "Context: " + ", ".join(f"{k}={v}" for k, v in context.items()), "",
-          "```", table(results), "```", "", "Memory (bytes):", "",
-          "| backend | weights | KV (formula) | KV (allocated) | peak RSS | peak GPU |",
-          "| --- | --- | --- | --- | --- | --- |"]
-    seen = set()
-    for r in results:
-        if r.backend not in seen:
-            seen.add(r.backend)
-            md.append(f"| {r.backend} | {r.weights_bytes} | {r.kv_formula_bytes} | {r.kv_allocated_bytes} | "
-                      f"{r.peak_rss_bytes} | {r.peak_gpu_bytes if r.peak_gpu_bytes is not None else 'no GPU'} |")
+          "```", table(results), "```", "", "Memory (MiB; bytes in bench.json):", "",
+          "| backend | KV cache size | weights | KV (formula) | KV (allocated) | peak RSS | peak GPU |",
+          "| --- | --- | --- | --- | --- | --- | --- |"]
+    for r in _first_per_backend(results):
+        gpu = f"{r.peak_gpu_bytes / 2**20:.1f}" if r.peak_gpu_bytes is not None else "no GPU"
+        md.append(f"| {r.backend} | {_cache_size(r)} | {r.weights_bytes / 2**20:.1f} | "
+                  f"{r.kv_formula_bytes / 2**20:.1f} | {r.kv_allocated_bytes / 2**20:.1f} | "
+                  f"{r.peak_rss_bytes / 2**20:.1f} | {gpu} |")
     md += ["", "TTFT: prefill plus choosing the first token. Decode latency: one step for every row, timed "
            "alone; tokens/s = 1000 / mean ms per step, per sequence. Peak RSS: this process while the backend "
            "loaded and ran (VmHWM)."]
     paths[2].write_text("\n".join(md) + "\n")
     paths += plots(results, out)
     return paths
+
+
+def _first_per_backend(results: list[Result]) -> list[Result]:
+    """One result per backend, in the order they ran (memory figures are the backend's, whatever the run)."""
+    return list({r.backend: r for r in reversed(results)}.values())[::-1]
+
+
+def _cache_size(r: Result) -> str:
+    return f"{r.kv_max_seq_len} tokens x {r.kv_max_batch} rows"
 
 
 def plots(results: list[Result], out: Path) -> list[Path]:
@@ -189,6 +201,8 @@ def plots(results: list[Result], out: Path) -> list[Path]:
         print("kvedge bench: matplotlib is not installed; no plots (pip install 'kvedge[bench]')", file=sys.stderr)
         return []
     backends = sorted({r.backend for r in results})
+    # one colour per backend in every plot; in the latency plot the line style tells decode from TTFT
+    colour = {be: f"C{i}" for i, be in enumerate(backends)}
     paths: list[Path] = []
 
     def save(fig, ax, name: str, ylabel: str, title: str, legend: bool = True) -> None:
@@ -205,13 +219,16 @@ def plots(results: list[Result], out: Path) -> list[Path]:
     smallest = min(x.batch for x in results)
     for be in backends:
         rs = sorted((r for r in results if r.backend == be and r.batch == smallest), key=lambda r: r.prompt_len)
-        ax.plot([r.prompt_len for r in rs], [r.decode_ms_p50 for r in rs], marker="o", label=f"{be} decode p50")
-        ax.plot([r.prompt_len for r in rs], [r.ttft_ms for r in rs], marker="s", ls="--", label=f"{be} TTFT")
+        ax.plot([r.prompt_len for r in rs], [r.decode_ms_p50 for r in rs], marker="o", color=colour[be],
+                label=f"{be} decode p50")
+        ax.plot([r.prompt_len for r in rs], [r.ttft_ms for r in rs], marker="s", ls="--", color=colour[be],
+                label=f"{be} TTFT")
     ax.set_xlabel("context (prompt tokens)")
     save(fig, ax, "latency_vs_context.png", "ms", f"latency against context length (batch {smallest})")
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    ax.bar(range(len(results)), [r.decode_tokens_per_s_total for r in results])
+    ax.bar(range(len(results)), [r.decode_tokens_per_s_total for r in results],
+           color=[colour[r.backend] for r in results])
     ax.set_xticks(range(len(results)), [f"{r.backend}\np{r.prompt_len} b{r.batch}" for r in results], fontsize=7)
     save(fig, ax, "tokens_per_s.png", "decode tokens/s (all rows)", "decode throughput per backend", legend=False)
 
@@ -220,8 +237,16 @@ def plots(results: list[Result], out: Path) -> list[Path]:
     w = [first[b].weights_bytes / 2**20 for b in backends]
     kv = [first[b].kv_allocated_bytes / 2**20 for b in backends]
     other = [max(first[b].peak_rss_bytes / 2**20 - wi - ki, 0) for b, wi, ki in zip(backends, w, kv)]
-    ax.bar(backends, w, label="weights")
-    ax.bar(backends, kv, bottom=w, label="KV cache (allocated)")
-    ax.bar(backends, other, bottom=[a + b for a, b in zip(w, kv)], label="rest of peak RSS")
-    save(fig, ax, "memory.png", "MiB", "memory breakdown")
+    # the parts are told apart by hatching, the backends by their colour, as in the other plots; each bar says
+    # how large its cache is: an export's is fixed at export, a checkpoint backend's is sized to the run
+    x = range(len(backends))
+    ax.bar(x, w, color=[colour[b] for b in backends], label="weights")
+    ax.bar(x, kv, bottom=w, color=[colour[b] for b in backends], alpha=0.6, hatch="//", label="KV cache (allocated)")
+    ax.bar(x, other, bottom=[a + b for a, b in zip(w, kv)], color=[colour[b] for b in backends], alpha=0.3,
+           hatch="..", label="rest of peak RSS")
+    ax.set_xticks(list(x), [f"{b}\nKV {first[b].kv_max_seq_len} tok x {first[b].kv_max_batch}" for b in backends],
+                  fontsize=8)
+    sizes = {(first[b].kv_max_seq_len, first[b].kv_max_batch) for b in backends}
+    save(fig, ax, "memory.png", "MiB", "memory breakdown" + ("" if len(sizes) == 1 else
+                                                             " (KV caches differ in size: see each bar)"))
     return paths

@@ -36,16 +36,18 @@ class Device:
     reserve_gb: float  # kept back for the OS, CUDA context, display: our assumption, documented here
     unified: bool  # CPU and GPU share the memory (Jetson)
     note: str
+    tensorrt: str | None = None  # the TensorRT its current JetPack ships (docs/jetson.md); desktops: any
 
 
 # Reserves on Jetson boards: the L4T desktop-less image with the CUDA/TensorRT runtime loaded keeps
 # roughly 1.5-2.5 GiB busy (more with a desktop); we assume the upper end so a plan errs on the safe side.
+# TensorRT: JetPack 6.1 / 6.2 ship 10.3 on Orin, JetPack 7.0 ships 10.13 on Thor (docs/jetson.md).
 DEVICES = {d.name: d for d in (
-    Device("orin-nano-8gb", 8, 2.5, True, "Jetson Orin Nano 8GB: 8 GiB LPDDR5 shared by CPU and GPU"),
-    Device("orin-nx-16gb", 16, 3.0, True, "Jetson Orin NX 16GB"),
-    Device("agx-orin-32gb", 32, 4.0, True, "Jetson AGX Orin 32GB"),
-    Device("agx-orin-64gb", 64, 5.0, True, "Jetson AGX Orin 64GB"),
-    Device("agx-thor", 128, 8.0, True, "Jetson AGX Thor (T5000): 128 GiB LPDDR5X"),
+    Device("orin-nano-8gb", 8, 2.5, True, "Jetson Orin Nano 8GB: 8 GiB LPDDR5 shared by CPU and GPU", "10.3"),
+    Device("orin-nx-16gb", 16, 3.0, True, "Jetson Orin NX 16GB", "10.3"),
+    Device("agx-orin-32gb", 32, 4.0, True, "Jetson AGX Orin 32GB", "10.3"),
+    Device("agx-orin-64gb", 64, 5.0, True, "Jetson AGX Orin 64GB", "10.3"),
+    Device("agx-thor", 128, 8.0, True, "Jetson AGX Thor (T5000): 128 GiB LPDDR5X", "10.13"),
     Device("rtx-4090", 24, 1.0, False, "GeForce RTX 4090 24GB: CUDA context + workspace"),
     Device("rtx-4080", 16, 1.0, False, "GeForce RTX 4080 16GB"),
     Device("rtx-3060-12gb", 12, 0.8, False, "GeForce RTX 3060 12GB"),
@@ -179,6 +181,16 @@ def plan(cfg: ModelConfig, seq_len: int, batch: int = 1, dtype: str = "fp16", kv
         }
     gqa_heads = per_token / kv_bytes_per_token(cfg.num_layers, 1, cfg.out_head_dim, kv_dtype)
     return Plan(weights, per_token * seq_len * batch + scales, act, usable, max_ctx, max_b, mem_ctx, kv_by, gqa_heads)
+
+
+WEIGHT_CHOICES = ("fp16", "int8", "int4")  # what a plan weighs against each other, most faithful first
+
+
+def weight_options(cfg: ModelConfig, seq_len: int, batch: int = 1, kv_dtype: str | None = None, **where) -> dict:
+    """The plan of each weight choice (fp16, or int8 / int4 projections with fp16 elsewhere) at seq_len and batch,
+    over a kv_dtype cache (default fp16): which of them fits `where` (memory_gb= or device=), and its largest
+    context."""
+    return {w: plan(cfg, seq_len, batch, w, kv_dtype or "fp16", **where) for w in WEIGHT_CHOICES}
 
 
 def _largest(fits, hi: int) -> int:

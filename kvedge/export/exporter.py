@@ -1,11 +1,13 @@
 """`kvedge export`: checkpoint -> model.onnx + tokenizer files + kvedge.json, verified against PyTorch.
 
-The steps: check the options and prepare the model (kvedge.export.prepare: quantize, calibrate), trace it
-with the chosen lowering (to_onnx), save and check the graph, write the sidecar's record, verify
-(kvedge.export.verify), and write the sidecar.
+The steps: check the options and prepare the model (kvedge.export.prepare: quantize, calibrate), score a
+quantization against the model without it in PyTorch (kvedge.export.verify.quality: the quality gate, seconds,
+before minutes of tracing), trace it with the chosen lowering (to_onnx), save and check the graph, write the
+sidecar's record, verify the graph (kvedge.export.verify.verify), and write the sidecar.
 
-The sidecar is written last and atomically: a folder without kvedge.json is not an export, so an
-interrupted or failed export (verification over tolerance included) never looks like a good one.
+Everything is written into a staging folder beside out_dir and moved into it at the end, the sidecar last and
+atomically: a refused, failed or interrupted export leaves nothing (no model.onnx, no empty folder) and an
+earlier export in out_dir whole; a folder without kvedge.json is never an export.
 """
 
 from __future__ import annotations
@@ -14,7 +16,9 @@ import contextlib
 import gc
 import io
 import logging
+import os
 import shutil
+import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -68,12 +72,14 @@ def to_onnx(decoder: Decoder, lowering: str, max_seq_len: int, kv_scales=None):
     b, l = 2, 3  # example sizes; both axes are dynamic
     cache = KVCache.allocate(cfg, b, max_seq_len, dtype=dtype, scales=kv_scales)
     past = [t for kv in zip(cache.keys, cache.values) for t in kv]
+    # two positions' logits a row in the example: an axis of size 1 would be traced as a constant 1
     args = (torch.zeros(b, l, dtype=torch.long), torch.arange(l).expand(b, l).contiguous(),
-            torch.full((b,), l - 1), *past)
+            torch.arange(1, l).expand(b, l - 1).contiguous(), *past)
     batch = torch.export.Dim("batch", max=1024)
     seq = torch.export.Dim("seq", max=max_seq_len)
+    logits = torch.export.Dim("logits", max=max_seq_len)
     dynamic = {"input_ids": {0: batch, 1: seq}, "position_ids": {0: batch, 1: seq},
-               "logits_index": {0: batch}, "past": tuple({0: batch} for _ in past)}
+               "logits_index": {0: batch, 1: logits}, "past": tuple({0: batch} for _ in past)}
     table = {torch.ops.kvedge.cached_attention.default: low.translate}
     if low.translate_qlinear is not None:
         import kvedge.models.quant  # noqa: F401  (registers torch.ops.kvedge.qlinear)
@@ -111,7 +117,7 @@ def graph_opset(decoder: Decoder, low) -> int:
 
 
 def _name_dynamic_axes(proto) -> None:
-    """Give every graph input/output the contract's axis names ('batch', 'seq')."""
+    """Give every graph input/output the contract's axis names ('batch', 'seq', 'logits')."""
     for vi in list(proto.graph.input) + list(proto.graph.output):
         dims = vi.type.tensor_type.shape.dim
         if not dims:
@@ -119,8 +125,8 @@ def _name_dynamic_axes(proto) -> None:
         dims[0].dim_param = "batch"
         if vi.name in ("input_ids", "position_ids"):
             dims[1].dim_param = "seq"
-        if vi.name == "logits":
-            dims[1].dim_value = 1
+        if vi.name in ("logits_index", "logits"):
+            dims[1].dim_param = "logits"
 
 
 def _save(proto, path: Path, data_name: str) -> str | None:
@@ -146,9 +152,38 @@ def check_onnx(path: Path) -> None:
         raise KvedgeError(f"{path}: onnx.checker failed: {e}") from None
 
 
+@contextlib.contextmanager
+def _staged(out_dir: Path):
+    """A fresh folder beside out_dir for the export to write into. On any failure (a refusal, a verification over
+    tolerance, Ctrl-C) it is removed, with the folders made for it, so that nothing is left behind and an earlier
+    export in out_dir stays whole; on success the caller publishes it (_publish)."""
+    made = [p for p in (out_dir.parent, *out_dir.parent.parents) if not p.exists()]  # parents -o asked for
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    stage = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.partial-", dir=out_dir.parent))
+    try:
+        yield stage
+    except BaseException:
+        shutil.rmtree(stage, ignore_errors=True)
+        for p in made:  # deepest first
+            with contextlib.suppress(OSError):
+                p.rmdir()
+        raise
+
+
+def _publish(stage: Path, out_dir: Path, sidecar: Sidecar) -> Path:
+    """Move the staged files into out_dir (made if need be; its other files stay), the sidecar last."""
+    out_dir.mkdir(exist_ok=True)
+    (out_dir / SIDECAR).unlink(missing_ok=True)  # never a stale sidecar next to new files, even for a moment
+    for f in stage.iterdir():
+        os.replace(f, out_dir / f.name)
+    stage.rmdir()
+    return sidecar.write(out_dir)
+
+
 def export(model_dir: str | Path, out_dir: str | Path, options: ExportOptions | None = None,
            progress: Callable[[str], None] | None = None) -> Sidecar:
-    """Export a checkpoint to out_dir and verify it (unless options.verify is False)."""
+    """Export a checkpoint to out_dir and verify it (unless options.verify is False). A refusal or a failure
+    leaves out_dir as it was (no folder if there was none)."""
     o = options or ExportOptions()
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     say = _Progress(progress)
@@ -158,10 +193,15 @@ def export(model_dir: str | Path, out_dir: str | Path, options: ExportOptions | 
     low = lowerings.get(o.attention)
     prepare.check_options(model_dir, out_dir, o, cfg, low)
     prepare.check_prequantized(model_dir, o, low)  # an AWQ / GPTQ config, before the weights are read
-    if out_dir.exists():
-        (out_dir / SIDECAR).unlink(missing_ok=True)  # never leave a stale sidecar next to new files
-    out_dir.mkdir(parents=True, exist_ok=True)
+    with _staged(out_dir) as stage:
+        sidecar = _export(model_dir, stage, o, cfg, low, say)
+        path = _publish(stage, out_dir, sidecar)
+    say(f"wrote {path}")
+    return sidecar
 
+
+def _export(model_dir: Path, out_dir: Path, o: ExportOptions, cfg, low, say) -> Sidecar:
+    """export's work, into the staging folder out_dir; returns the sidecar, not yet written."""
     say(f"loading {model_dir} ({cfg.arch}, {cfg.num_layers} layers, {cfg.num_heads}/{cfg.num_kv_heads} heads)")
     decoder = load_decoder(model_dir, dtype=torch_dtype(o.dtype))
     pre = getattr(decoder, "prequantized", None)  # AWQ / GPTQ / GGUF: the loader made its QuantLinears
@@ -179,16 +219,18 @@ def export(model_dir: str | Path, out_dir: str | Path, options: ExportOptions | 
     kv_scales, cache_record = None, {}
     if o.kv_dtype == "int8":
         kv_scales, cache_record, calibration = prepare.calibrate_kv(decoder, model_dir, o, calibration, say)
+    quality = {}
+    scored = quant if pre is None or requantized else None  # weights that have a model without that quantization
+    if o.verify and (scored or kv_scales is not None):
+        quality = _quality_gate(decoder, model_dir, o, scored, kv_scales, say)
     opset = graph_opset(decoder, low)
     say(f"tracing to ONNX: lowering {low.name!r}, opset {opset}, {o.dtype}, max_seq_len {o.max_seq_len}"
         + (", int8 KV cache" if kv_scales is not None else ""))
     proto = to_onnx(decoder, low.name, o.max_seq_len, kv_scales)
     onnx_path = out_dir / "model.onnx"
-    tmp_path = out_dir / ".model.onnx.partial"
-    say(f"writing {onnx_path} ({len(proto.graph.node)} nodes)")
-    external = _save(proto, tmp_path, onnx_path.name + ".data")
+    say(f"writing the graph ({len(proto.graph.node)} nodes)")
+    external = _save(proto, onnx_path, onnx_path.name + ".data")
     del proto
-    tmp_path.replace(onnx_path)
     say("onnx.checker (full check, shape inference)")
     check_onnx(onnx_path)
     if model_dir.suffix.lower() == ".gguf":  # the file's own tokenizer and chat template, as Hugging Face files
@@ -210,26 +252,42 @@ def export(model_dir: str | Path, out_dir: str | Path, options: ExportOptions | 
         sidecar.verification = {"passed": True, "skipped": f"the {low.name!r} lowering runs only inside TensorRT "
                                 "(its plugin); verify it on the device with `kvedge parity --backend tensorrt`",
                                 "max_abs_error": float("nan"), "min_cosine": float("nan"),
-                                "greedy_agreement": float("nan")}
+                                "greedy_agreement": float("nan"), **quality}
     elif o.verify:
         from kvedge.export.verify import summary, verify
 
         say(f"verifying on ONNX Runtime CPU against PyTorch: {o.verify_prompt_len}-token prompt + "
             f"{o.verify_steps} decode steps")
-        # a pre-quantized checkpoint has no unquantized model: the graph is compared with the quantized one only
-        reference = (load_decoder(model_dir, dtype=torch_dtype(o.dtype)) if quant and (pre is None or requantized)
-                     else None)
         tolerance = o.tolerance
         if tolerance is None and quant and o.accuracy_level:
             tolerance = {"max_rel": None, "min_cosine": 0.999}  # int8 activations: compared by cosine only
-        text = prepare.evaluation_rows(model_dir, decoder, o) if quant or kv_scales is not None else None
         report = verify(decoder, out_dir, sidecar, o.verify_prompt_len, o.verify_steps, tolerance=tolerance,
-                        fp_reference=reference, allow_degraded=o.allow_degraded, text=text, kv_scales=kv_scales)
+                        kv_scales=kv_scales, quality_report=quality)
         sidecar.verification = report
         for line in summary(report):
             say(line)
         if not report["passed"]:
-            raise KvedgeError(f"verification failed: {report['reason']}; no {SIDECAR} was written")
-    path = sidecar.write(out_dir)
-    say(f"wrote {path}")
+            raise KvedgeError(f"verification failed: the graph against PyTorch: {report['reason']}; nothing was "
+                              f"written")
     return sidecar
+
+
+def _quality_gate(decoder: Decoder, model_dir: Path, o: ExportOptions, quant: dict | None, kv_scales, say) -> dict:
+    """The quantization's quality in PyTorch, before tracing: refused (KvedgeError, one line) below its gate unless
+    --allow-degraded. quant: the weight quantization's record (None: weights as loaded, an int8 cache only)."""
+    from kvedge.export.verify import quality, quality_lines
+
+    what = " and ".join(x for x in (quant and f"{quant['scheme']} weights", kv_scales is not None and "int8 KV cache")
+                        if x)
+    say(f"scoring the {what} against the model without that quantization in PyTorch (the quality gate, before "
+        f"tracing)")
+    # a pre-quantized checkpoint has no unquantized model: its weights are compared with nothing
+    reference = load_decoder(model_dir, dtype=torch_dtype(o.dtype)) if quant else None
+    text = prepare.evaluation_rows(model_dir, decoder, o)
+    report, refusal = quality(decoder, o.max_seq_len, o.verify_prompt_len, o.verify_steps,
+                              quant["scheme"] if quant else None, reference, kv_scales, text, o.allow_degraded)
+    if refusal and not o.allow_degraded:
+        raise KvedgeError(refusal)
+    for line in quality_lines(report):
+        say(line)
+    return report

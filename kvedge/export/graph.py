@@ -40,7 +40,7 @@ def _(q, k, v, k_cache, v_cache, positions, scale, window, softcap, cos=None, si
 
 class ExportGraph(nn.Module):
     """forward(input_ids, position_ids, logits_index, past_key.0, past_value.0, ...) ->
-    (logits [B, 1, V], present_key.0, present_value.0, ...).
+    (logits [B, K, V], present_key.0, present_value.0, ...), logits_index [B, K] (kvedge.artifact's contract).
 
     kv_scales (k_scales, v_scales), per layer: an int8 cache's scales, kept as buffers k_scale_{i} and
     v_scale_{i}, so they become initializers of the graph."""

@@ -16,6 +16,7 @@ from kvedge.models.quant import QUANT_BITS
 from kvedge.runtime.calibration import calibration_rows, heldout_rows
 
 QUANT_METHODS = {"rtn": "round-to-nearest", "gptq": "GPTQ"}
+GROUP_SIZES = (0, 16, 32, 64, 128, 256)  # --group-size; 0: one group per row (per channel)
 
 
 @dataclass
@@ -83,8 +84,9 @@ def check_options(model_dir: Path, out_dir: Path, o: ExportOptions, cfg, low: Lo
         reasons = low.unsupported_quant(QUANT_BITS[o.quantize])
         if reasons:
             raise KvedgeError(f"the {low.name!r} lowering cannot export {o.quantize} weights: {'; '.join(reasons)}")
-        if o.group_size not in (0, 16, 32, 64, 128, 256):
-            raise KvedgeError(f"--group-size {o.group_size}: expected 16, 32, 64, 128 or 256, or 0 (per channel)")
+        if o.group_size not in GROUP_SIZES:
+            raise KvedgeError(f"--group-size {o.group_size}: expected one of {', '.join(map(str, GROUP_SIZES))} "
+                              "(0: per channel)")
         if o.group_size == 0 and o.quant_method != "rtn":
             raise KvedgeError("--group-size 0 (per channel) is round-to-nearest only: drop --method gptq")
         if o.quant_method not in QUANT_METHODS:

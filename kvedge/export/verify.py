@@ -1,11 +1,16 @@
-"""Post-export verification: the ONNX graph on ONNX Runtime CPU against the PyTorch Decoder.
+"""An export's checks: the quantization's quality gate in PyTorch before tracing (`quality`), then the ONNX graph
+on ONNX Runtime CPU against the PyTorch Decoder (`verify`).
 
-A prompt, then N greedy decode steps (the tokens PyTorch chooses are fed to both), with the caches
-bound in place exactly as the runtime binds them. Reports max abs logit error, the lowest cosine and
-the greedy-token agreement, judged per step by kvedge.runtime.compare (the tolerances of `kvedge parity`). A quantized export is also compared with
-the unquantized model (top-1 agreement, cosine) and both models' perplexity on a text is reported.
-An int8-cache export is compared with the same model over an int8 cache with the same scales (tightly:
-both implement one quantization), and also with the model over a float cache ("vs_fp_cache").
+quality: a quantized model is compared with the unquantized one, an int8-cache model with itself over a float
+cache ("vs_fp_cache"), on a random prompt and its greedy steps (top-1 agreement against QUANT_TOP1 / KV_TOP1, the
+gate) and teacher-forced on a text (perplexities, top-1, cosine: reported). It runs before the graph is traced,
+so that a model the gate refuses costs seconds and writes nothing.
+
+verify: the same prompt, then N greedy decode steps (the tokens PyTorch chooses are fed to both), with the caches
+bound in place exactly as the runtime binds them. Reports max abs logit error, the lowest cosine and the
+greedy-token agreement, judged per step by kvedge.runtime.compare (the tolerances of `kvedge parity`). An
+int8-cache export is compared with the same model over an int8 cache with the same scales (tightly: both
+implement one quantization).
 """
 
 from __future__ import annotations
@@ -64,44 +69,94 @@ def compare_on_text(decoder: Decoder, reference: Decoder, rows: torch.Tensor, kv
             "top1_agreement": agree / n, "mean_cosine": cos / n, "predicted_tokens": n}
 
 
+def random_prompt(cfg, max_seq_len: int, prompt_len: int, steps: int, seed: int = 0) -> torch.Tensor:
+    """The verification's prompt [1, P]: seeded random tokens, P = prompt_len where `steps` more fit the cache."""
+    prompt_len = max(1, min(prompt_len, max_seq_len - steps))
+    return torch.randint(0, cfg.vocab_size, (1, prompt_len), generator=torch.Generator().manual_seed(seed))
+
+
+GATES = {  # report key -> (what is quantized, compared with, what else may pass the gate)
+    "vs_unquantized": ("{scheme} weights", "the unquantized model",
+                       {"int4": "--quantize int8, --method gptq or a smaller --group-size may pass",
+                        "int8": "--method gptq or a smaller --group-size may pass"}),
+    "vs_fp_cache": ("int8 KV cache", "a float KV cache",
+                    {"int8": "a longer or more typical --calibration-text, or a float cache (no --kv-dtype int8), "
+                             "may pass"}),
+}
+
+
 @torch.inference_mode()
-def verify(decoder: Decoder, out_dir: str | Path, sidecar: Sidecar, prompt_len: int = 16, steps: int = 16,
-           seed: int = 0, tolerance: dict | None = None,
-           fp_reference: Decoder | None = None, allow_degraded: bool = False,
-           text: tuple[torch.Tensor, dict] | None = None, kv_scales=None) -> dict:
-    """tolerance: keys of kvedge.runtime.compare.TOLERANCES overriding the dtype's preset.
-    `text`: (token rows [R, L], what they are) on which a quantized export is also compared with the
-    unquantized model (PyTorch both; the quantized one is the graph within the tolerance).
-    kv_scales: the int8 cache's per-layer (k, v) scales; the reference then runs over an int8 cache too."""
-    if sidecar.dtype == "bf16":
-        return {"passed": True, "skipped": "ONNX Runtime's CPU provider has no bf16 kernels; the graph was "
-                "checked by onnx.checker only", "max_abs_error": float("nan"), "min_cosine": float("nan"),
-                "greedy_agreement": float("nan")}
-    cfg = decoder.cfg
-    prompt_len = max(1, min(prompt_len, sidecar.max_seq_len - steps))
-    backend = OrtBackend(out_dir, sidecar=sidecar, max_batch=1)
-    cache = _cache(decoder, sidecar.max_seq_len, kv_scales)
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, cfg.vocab_size, (1, prompt_len), generator=g)
-    pos = torch.arange(prompt_len)[None]
-    last = torch.tensor([prompt_len - 1])
-    tol = compare.tolerance(sidecar.dtype, tolerance)
-    figs = []
-    others = {}  # report key -> (model, float cache, scheme, top-1 thresholds): compared with the graph too
-    if fp_reference is not None:  # the unquantized model, fed the same tokens
-        scheme = (sidecar.extra.get("quantization") or {}).get("scheme", "int8")
-        others["vs_unquantized"] = (fp_reference, _cache(fp_reference, sidecar.max_seq_len), scheme, QUANT_TOP1)
-    if kv_scales is not None:  # the same model over a float cache
-        others["vs_fp_cache"] = (decoder, _cache(decoder, sidecar.max_seq_len), "int8", KV_TOP1)
-    seen = {name: ([], []) for name in others}  # top-1 agreements, cosines
+def quality(decoder: Decoder, max_seq_len: int, prompt_len: int, steps: int, scheme: str | None = None,
+            fp_reference: Decoder | None = None, kv_scales=None, text: tuple[torch.Tensor, dict] | None = None,
+            allow_degraded: bool = False, seed: int = 0) -> tuple[dict, str | None]:
+    """The quantized model against the model without its quantization, in PyTorch, before anything is traced
+    (seconds, where tracing and verifying take minutes): `decoder` (over an int8 cache with kv_scales, as the graph
+    will run) and, fed the same tokens (verify's random prompt, then the decoder's greedy choices), fp_reference,
+    the unquantized model of weight scheme `scheme` ("vs_unquantized"), and / or the same decoder over a float
+    cache ("vs_fp_cache"). Returns (the report's entries: top-1 agreement, lowest cosine, the threshold; and with
+    `text`, both teacher-forced on it, "on_text"; None, or the failed gates as one line saying which check failed
+    by how much and the way out, which a caller refuses unless allow_degraded). The text figures are skipped when
+    a gate fails and nothing is kept."""
+    others = {}  # report key -> (model, its float cache, the gate's scheme, top-1 thresholds)
+    if fp_reference is not None:
+        others["vs_unquantized"] = (fp_reference, _cache(fp_reference, max_seq_len), scheme, QUANT_TOP1)
+    if kv_scales is not None:
+        others["vs_fp_cache"] = (decoder, _cache(decoder, max_seq_len), "int8", KV_TOP1)
+    cache = _cache(decoder, max_seq_len, kv_scales)
+    ids = random_prompt(decoder.cfg, max_seq_len, prompt_len, steps, seed)
+    pos, last = torch.arange(ids.shape[1])[None], torch.tensor([ids.shape[1] - 1])
+    seen = {name: ([], []) for name in others}  # per step: top-1 agreement, cosine
     for step in range(steps + 1):
-        ref = decoder(ids, pos, cache.for_batch(1), logit_index=last).float()
-        got = backend.forward(ids, pos, last).float()
-        figs.append(compare.step(got, ref))
+        got = decoder(ids, pos, cache.for_batch(1), logit_index=last).float()
         for name, (model, fp_cache, _, _) in others.items():
             fig = compare.step(got, model(ids, pos, fp_cache.for_batch(1), logit_index=last))
             seen[name][0].append(fig.top1_agree)
             seen[name][1].append(fig.cosine)
+        ids, pos, last = got[:, -1].argmax(-1, keepdim=True), pos[:, -1:] + 1, torch.tensor([0])
+    report, failures, ways = {}, [], ["--allow-degraded keeps it"]
+    for name, (model, _, gate_scheme, thresholds) in others.items():
+        agree, cos = seen[name]
+        top1, threshold = sum(agree) / len(agree), thresholds[gate_scheme]
+        report[name] = {"top1_agreement": top1, "min_cosine": min(cos), "threshold_top1": threshold,
+                        "measured": f"in PyTorch before tracing, over {len(agree)} positions: a random prompt's "
+                                    f"last, then the quantized model's greedy steps"}
+        if top1 < threshold:
+            what, against, others_may = GATES[name]
+            failures.append(f"{what.format(scheme=gate_scheme)}: top-1 agreement with {against} {top1:.0%} < "
+                            f"{threshold:.0%} ({round(100 * (threshold - top1))} points short)")
+            ways += [others_may[gate_scheme]] if gate_scheme in others_may else []
+    refusal = None if not failures else (
+        f"{'; '.join(failures)}: over {steps + 1} positions of a random prompt and its greedy steps, scored in "
+        f"PyTorch before tracing; nothing was written. {'; '.join(ways)}")
+    if text is not None and (allow_degraded or not failures):  # teacher-forced on the text: perplexity, top-1
+        rows, what = text
+        for name, (model, _, _, _) in others.items():
+            report[name]["on_text"] = {**compare_on_text(decoder, model, rows, kv_scales), **what}
+    return report, refusal
+
+
+@torch.inference_mode()
+def verify(decoder: Decoder, out_dir: str | Path, sidecar: Sidecar, prompt_len: int = 16, steps: int = 16,
+           seed: int = 0, tolerance: dict | None = None, kv_scales=None, quality_report: dict | None = None) -> dict:
+    """The graph in out_dir on ONNX Runtime against `decoder` (PyTorch, over an int8 cache with kv_scales if
+    given), fed the same random prompt and then the decoder's greedy tokens, within `tolerance` (keys of
+    kvedge.runtime.compare.TOLERANCES overriding the dtype's preset). quality_report: the quantization's own figures
+    (`quality`, scored before tracing), carried into the report."""
+    if sidecar.dtype == "bf16":
+        return {"passed": True, "skipped": "ONNX Runtime's CPU provider has no bf16 kernels; the graph was "
+                "checked by onnx.checker only", "max_abs_error": float("nan"), "min_cosine": float("nan"),
+                "greedy_agreement": float("nan"), **(quality_report or {})}
+    backend = OrtBackend(out_dir, sidecar=sidecar, max_batch=1)
+    cache = _cache(decoder, sidecar.max_seq_len, kv_scales)
+    ids = random_prompt(decoder.cfg, sidecar.max_seq_len, prompt_len, steps, seed)
+    prompt_len = ids.shape[1]
+    pos, last = torch.arange(prompt_len)[None], torch.tensor([prompt_len - 1])
+    tol = compare.tolerance(sidecar.dtype, tolerance)
+    figs = []
+    for step in range(steps + 1):
+        ref = decoder(ids, pos, cache.for_batch(1), logit_index=last).float()
+        got = backend.forward(ids, pos, last).float()
+        figs.append(compare.step(got, ref))
         ids = ref[:, -1].argmax(-1, keepdim=True)  # teacher-forced on PyTorch's greedy choice
         pos = torch.tensor([[prompt_len + step]])
         last = torch.tensor([0])
@@ -113,35 +168,35 @@ def verify(decoder: Decoder, out_dir: str | Path, sidecar: Sidecar, prompt_len: 
                        f"(largest |logit| of that step)")
     if not min_cos >= tol["min_cosine"]:
         reasons.append(f"cosine {min_cos:.6f} < {tol['min_cosine']}")
-    quant = {}
-    for name, (model, _, scheme, thresholds) in others.items():
-        agree_fp, cos_fp = seen[name]
-        top1 = sum(agree_fp) / len(agree_fp)
-        quant[name] = {"top1_agreement": top1, "min_cosine": min(cos_fp), "threshold_top1": thresholds[scheme]}
-        if text is not None:  # teacher-forced on the text: perplexity, top-1, cosine
-            rows, what = text
-            quant[name]["on_text"] = {**compare_on_text(decoder, model, rows, kv_scales), **what}
-        if top1 < thresholds[scheme] and not allow_degraded:
-            against = "the unquantized model" if name == "vs_unquantized" else "a float KV cache"
-            reasons.append(f"{scheme} top-1 agreement with {against} {top1:.0%} < "
-                           f"{thresholds[scheme]:.0%} (pass --allow-degraded to keep it)")
-    return {**quant, "passed": not reasons, "reason": "; ".join(reasons), "prompt_len": prompt_len, "steps": steps,
-            "max_abs_error": max(st.max_abs for st in figs), "max_rel_error": worst.max_rel,
+    return {**(quality_report or {}), "passed": not reasons, "reason": "; ".join(reasons), "prompt_len": prompt_len,
+            "steps": steps, "max_abs_error": max(st.max_abs for st in figs), "max_rel_error": worst.max_rel,
             "max_abs_logit": max(st.scale for st in figs), "min_cosine": min_cos,
             "greedy_agreement": sum(st.top1_agree for st in figs) / len(figs), "tolerance": tol,
             "provider": "CPUExecutionProvider"}
 
 
 def summary(report: dict) -> list[str]:
-    """The verification report as progress lines: the graph against PyTorch, then each further comparison."""
-    lines = [f"max abs {report['max_abs_error']:.2e}, cosine {report['min_cosine']:.6f}, "
-             f"greedy agreement {report['greedy_agreement']:.0%}" + ("" if report["passed"] else "  FAILED")]
+    """The graph against PyTorch as a progress line (FAILED when it is outside the tolerance)."""
+    return [f"the graph against PyTorch: max abs {report['max_abs_error']:.2e}, cosine {report['min_cosine']:.6f}, "
+            f"greedy agreement {report['greedy_agreement']:.0%}" + ("" if report["passed"] else
+                                                                    f"  FAILED: {report['reason']}")]
+
+
+def quality_lines(report: dict) -> list[str]:
+    """The quantization's figures (`quality`) as progress lines."""
+    lines = []
     for key, against in (("vs_unquantized", "against the unquantized model"),
                          ("vs_fp_cache", "int8 KV cache against a float cache")):
         if key in report:
-            v, t = report[key], report[key]["on_text"]
-            lines.append(f"{against}: top-1 {v['top1_agreement']:.0%}, min cosine {v['min_cosine']:.4f} (random "
-                         f"prompt); on {t['tokens']} tokens of the {t['text']} text: top-1 {t['top1_agreement']:.0%}, "
-                         f"mean cosine {t['mean_cosine']:.4f}, perplexity {t['reference_perplexity']:.3f} -> "
+            v = report[key]
+            gate = (f"gate {v['threshold_top1']:.0%}" if v["top1_agreement"] >= v["threshold_top1"] else
+                    f"below the {v['threshold_top1']:.0%} gate, kept: --allow-degraded")
+            line = (f"{against}: top-1 {v['top1_agreement']:.0%} ({gate}), min cosine {v['min_cosine']:.4f} "
+                    f"(random prompt)")
+            if "on_text" in v:
+                t = v["on_text"]
+                line += (f"; on {t['tokens']} tokens of the {t['text']} text: top-1 {t['top1_agreement']:.0%}, mean "
+                         f"cosine {t['mean_cosine']:.4f}, perplexity {t['reference_perplexity']:.3f} -> "
                          f"{t['perplexity']:.3f}")
+            lines.append(line)
     return lines

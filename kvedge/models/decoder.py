@@ -150,8 +150,9 @@ class Decoder(nn.Module):
 
     `caches` is a sequence of (k_cache, v_cache) per layer, each [B, Hkv, S_max, D], updated in place;
     an int8 cache's entries are (k_cache, v_cache, k_scale, v_scale) (KVCache.for_batch).
-    `logit_index` [B] int64 selects one position per row, so only the logits a caller needs are
-    computed (the last real token of each row); without it every position's logits come back.
+    `logit_index` [B] int64 selects one position per row ([B, 1, V] back), [B, K] K positions per row ([B, K,
+    V]), so only the logits a caller needs are computed (generation: the last real token of each row; kvedge eval:
+    every position of its chunk); without it every position's logits come back.
     """
 
     def __init__(self, cfg: ModelConfig):
@@ -214,7 +215,8 @@ class Decoder(nn.Module):
         for layer, (k_cache, v_cache, *kv_scales) in zip(self.layers, caches, strict=True):
             x = layer(x, positions, tables, k_cache, v_cache, self.attention_op, kv_scales)
         if logit_index is not None:
-            x = x[torch.arange(x.shape[0], device=x.device), logit_index][:, None]
+            index = logit_index if logit_index.dim() == 2 else logit_index[:, None]
+            x = x[torch.arange(x.shape[0], device=x.device)[:, None], index]
         h = self.norm(x)
         # tied embeddings share the embedding matrix, unless a separate (e.g. quantized) lm_head was set
         logits = self.lm_head(h) if hasattr(self, "lm_head") else F.linear(h, self.embed.weight)

@@ -1,8 +1,9 @@
 """The Backend protocol: what the generation loop and `kvedge bench` need from every backend.
 
 A backend owns its caches, allocated once at load for (max_batch, max_seq_len) and updated in place.
-`forward` runs one chunk with the graph contract's inputs and returns the logits of one position per
-row, [B, 1, V], as a view of a buffer the backend may reuse on the next call (copy to keep it).
+`forward` runs one chunk with the graph contract's inputs and returns the logits of the positions
+logits_index names: [B, n, V] for [B, n] (kvedge eval: every position of its chunk), [B, 1, V] for [B] (generation:
+one a row), as a view of a buffer the backend may reuse on the next call (copy to keep it).
 Positions are the runtime's business, not the backend's: it only writes where it is told.
 `first_row` says which cache rows the B input rows are: first_row .. first_row + B - 1 (0 by default),
 so that a server can run one row's prompt, or a range of rows, while the other rows' caches stay as

@@ -50,6 +50,8 @@ class BackendInfo:
         """Open the backend on `path` (what it reads). export: an export folder a checkpoint backend should
         match (the native engine quantizes as that export was), for `kvedge bench` and `kvedge parity`."""
         path = Path(path)
+        if not path.exists():  # said as such, not as "the torch backend needs a checkpoint"
+            raise KvedgeError(f"no such file or directory: {path}")
         if options.kv_dtype is not None and self.reads == "export":
             raise KvedgeError(f"kv_dtype {options.kv_dtype!r}: an export's cache dtype is fixed when it is exported "
                               f"(kvedge export --kv-dtype); the torch and native backends take one here")

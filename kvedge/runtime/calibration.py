@@ -29,9 +29,9 @@ def heldout_rows(model_dir: Path, cfg, text_file: str | None, tokens: int) -> tu
 
 
 def text_rows(model_dir: Path, cfg, text_file: str | None, tokens: int, builtin: str) -> tuple[torch.Tensor, dict]:
-    """A text as token rows [R, L] (L <= CALIBRATION_ROW and the model's positions), and what they are: the file,
-    or kvedge's built-in one (kvedge/models/`builtin`). Tokenized by the model's tokenizer (tokenizer.json, or
-    a GGUF file's own), else as UTF-8 bytes modulo the vocabulary."""
+    """At most `tokens` of a text as token rows [R, L] (L <= CALIBRATION_ROW and the model's positions), and what
+    they are: the file, or kvedge's built-in one (kvedge/models/`builtin`). Tokenized by the model's tokenizer
+    (tokenizer.json, or a GGUF file's own), else as UTF-8 bytes modulo the vocabulary."""
     model_dir = Path(model_dir)
     if text_file is None:
         from importlib import resources
@@ -49,9 +49,10 @@ def text_rows(model_dir: Path, cfg, text_file: str | None, tokens: int, builtin:
                               f"outside the model's vocabulary ({cfg.vocab_size})")
     else:
         ids, how = [b % cfg.vocab_size for b in text.encode("utf-8")], "utf-8 bytes modulo the vocabulary"
-    row = min(CALIBRATION_ROW, cfg.max_position_embeddings, len(ids))
+    # at most `tokens` in all: a short request is one short row, not a whole 256-token one
+    row = min(CALIBRATION_ROW, cfg.max_position_embeddings, len(ids), tokens)
     if row < 2:
-        raise KvedgeError(f"text {source}: {len(ids)} tokens, need at least 2")
+        raise KvedgeError(f"text {source}: {len(ids)} tokens, of which at most {tokens} asked for: need at least 2")
     n = max(1, min(tokens, len(ids)) // row)
     rows = torch.tensor(ids[:n * row]).reshape(n, row)
     return rows, {"text": source, "tokenizer": how, "tokens": n * row, "rows": n, "row_length": row}

@@ -151,7 +151,7 @@ def compile_engine(flags: tuple[str, ...] = FLAGS, cache_dir: str | Path | None 
     dll.kv_scratch_bytes.argtypes = [ctypes.POINTER(Model), ctypes.c_int, ctypes.c_int, ctypes.c_int]
     dll.kv_scratch_bytes.restype = ctypes.c_size_t
     dll.kv_forward.argtypes = [ctypes.POINTER(Model), ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
-                               ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
+                               ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
     dll.kv_forward.restype = None
     dll.kv_pack_gguf.argtypes = [ctypes.POINTER(Linear), ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
     dll.kv_weight_rows.argtypes = [ctypes.POINTER(Linear), ctypes.c_int, ctypes.c_void_p, ctypes.c_float,
@@ -508,7 +508,7 @@ class NativeBackend(CacheList):
                        int(cfg.qk_norm and cfg.qk_norm_scope == "all"), int(kv_dtype == "fp16"), cfg.norm_eps,
                        cfg.attn_scale, cfg.attn_softcap or 0.0, cfg.final_softcap or 0.0, cfg.embed_scale,
                        cfg.residual_scale, cfg.logits_divisor, weights.embed(), weights.norm("norm"), lm_head, layers)
-        self.logits = torch.empty((max_batch, 1, cfg.vocab_size))
+        self.logits = torch.empty(max_batch * cfg.vocab_size)  # flat: [B, n, V] is a view of its start; grown
         self.scratch = torch.empty(0, dtype=torch.uint8)  # the engine's work buffers, grown to the largest chunk
         self._need: dict[tuple[int, int], int] = {}  # (B, L) -> kv_scratch_bytes: a ctypes call releases the GIL
 
@@ -536,14 +536,20 @@ class NativeBackend(CacheList):
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
                 logits_index: torch.Tensor, first_row: int = 0) -> torch.Tensor:
-        """Run one chunk [B, L] on cache rows first_row..; returns a view of the preallocated logits [B, 1, V]
-        (valid until the next call)."""
+        """Run one chunk [B, L] on cache rows first_row..; returns a view of the preallocated logits [B, n, V] for
+        logits_index [B, n] ([B, 1, V] for [B]), valid until the next call."""
         b, length = input_ids.shape
         check_rows(self, first_row, b)
         if first_row != self._first_row:
             self._point_at(first_row)
         ids, pos, idx = int64_inputs(input_ids, position_ids, logits_index)
-        p, t = pos.numpy(), ids.numpy()  # not torch.aminmax, which releases the GIL (int64_inputs)
+        p, t, i = pos.numpy(), ids.numpy(), idx.numpy()  # not torch.aminmax, which releases the GIL (int64_inputs)
+        n = i.shape[1] if i.ndim == 2 else 1
+        if not 1 <= n <= length or i.min() < 0 or i.max() >= length:  # the engine reads the rows they name
+            raise KvedgeError(f"logits_index {i.shape} with values {int(i.min())}..{int(i.max())}: 1..{length} "
+                              f"positions of the chunk's {length} expected")
+        if b * n * self.cfg.vocab_size > self.logits.numel():
+            self.logits = torch.empty(b * n * self.cfg.vocab_size)
         lo, hi = int(p.min()), int(p.max())  # the engine writes the cache at these: check them
         if lo < 0 or hi >= self.max_seq_len:
             raise KvedgeError(f"positions {lo}..{hi} are outside the cache [0, {self.max_seq_len})")
@@ -559,9 +565,9 @@ class NativeBackend(CacheList):
             need = self._need[b, length] = self.dll.kv_scratch_bytes(ctypes.byref(self.m), b, length, self.threads)
         if need > self.scratch.numel():
             self.scratch = torch.empty(need, dtype=torch.uint8)
-        self.dll.kv_forward(ctypes.byref(self.m), b, length, ids.data_ptr(), pos.data_ptr(), idx.data_ptr(),
+        self.dll.kv_forward(ctypes.byref(self.m), b, length, ids.data_ptr(), pos.data_ptr(), idx.data_ptr(), n,
                             self.logits.data_ptr(), self.threads, self.scratch.data_ptr())
-        return self.logits[:b]
+        return self.logits[:b * n * self.cfg.vocab_size].view(b, n, self.cfg.vocab_size)
 
 
 def open_backend(path: Path, o, export: Path | None = None) -> NativeBackend:

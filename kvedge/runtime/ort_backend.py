@@ -3,7 +3,7 @@
 The caches are torch tensors [max_batch, kv_heads, max_seq_len, head_dim] allocated at load; every
 step binds past_* and present_* to the *same* buffer (IO binding by address), so the graph updates
 the cache in place and no cache-sized allocation happens per token. Logits land in a preallocated
-buffer too. An int8 cache (`--kv-dtype int8`) is allocated and bound as int8; its scales live in the graph.
+buffer too (grown once to the most positions a call has asked for). An int8 cache (`--kv-dtype int8`) is allocated and bound as int8; its scales live in the graph.
 """
 
 from __future__ import annotations
@@ -65,9 +65,10 @@ class OrtBackend(CacheList):
         self.cache_dtype = to_torch(sc.cache_dtype)  # the model's dtype, or int8
         self.caches = [torch.zeros(shape, dtype=self.cache_dtype)  # k0, v0, k1, v1, ... as the graph declares them
                        for shape in sc.cache_shapes(self.max_batch)]
-        self.logits = torch.empty((self.max_batch, 1, self.cfg.vocab_size), dtype=to_torch(sc.logits_dtype))
-        self._bindings: dict[tuple[int, int], ort.IOBinding] = {}  # (first_row, batch) -> its caches and logits
-        self.binding = self._binding(0, self.max_batch)  # the last call's
+        # one flat buffer: [batch, n, vocab] of any batch and n is a contiguous view of its start
+        self.logits = torch.empty(self.max_batch * self.cfg.vocab_size, dtype=to_torch(sc.logits_dtype))
+        self._bindings: dict[tuple[int, int, int], ort.IOBinding] = {}  # (first_row, batch, n) -> caches, logits
+        self.binding = self._binding(0, self.max_batch, 1)  # the last call's
 
     def _check_graph(self) -> None:
         sc = self.sidecar
@@ -85,34 +86,47 @@ class OrtBackend(CacheList):
                               f"{got_in[:4]}..., outputs {got_out[:3]}...; sidecar {want_in[:4]}..., "
                               f"{want_out[:3]}...; re-export")
 
-    def _binding(self, first_row: int, batch: int) -> ort.IOBinding:
-        """The binding of these cache rows: caches (past and present to one buffer) and logits, bound once (kvedge
-        serve alternates between a prompt's row and the decoding rows every step)."""
-        b = self._bindings.get((first_row, batch))
+    def _binding(self, first_row: int, batch: int, n: int) -> ort.IOBinding:
+        """The binding of these cache rows and n positions' logits a row: caches (past and present to one buffer)
+        and logits, bound once (kvedge serve alternates between a prompt's row and the decoding rows every step)."""
+        b = self._bindings.get((first_row, batch, n))
         if b is not None:
             return b
-        b = self._bindings[(first_row, batch)] = self.session.io_binding()
+        if batch * n * self.cfg.vocab_size > self.logits.numel():  # the bindings so far point at the old buffer
+            self.logits = torch.empty(batch * n * self.cfg.vocab_size, dtype=self.logits.dtype)
+            self._bindings.clear()
+        b = self._bindings[(first_row, batch, n)] = self.session.io_binding()
         for (name, out), t in zip(self.sidecar.cache_pairs, self.caches):
             view = t[first_row:first_row + batch]  # rows of a C-contiguous tensor: contiguous, same storage
             shape = list(view.shape)
             b.bind_input(name, "cpu", 0, NUMPY[t.dtype], shape, view.data_ptr())
             b.bind_output(out, "cpu", 0, NUMPY[t.dtype], shape, view.data_ptr())
-        lg = self.logits[:batch]
+        lg = self._logits_view(batch, n)
         b.bind_output("logits", "cpu", 0, NUMPY[lg.dtype], list(lg.shape), lg.data_ptr())
         return b
 
+    def _logits_view(self, batch: int, n: int) -> torch.Tensor:
+        return self.logits[:batch * n * self.cfg.vocab_size].view(batch, n, self.cfg.vocab_size)
+
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
                 logits_index: torch.Tensor, first_row: int = 0) -> torch.Tensor:
-        """Run one chunk on cache rows first_row..; returns a view of the preallocated logits [B, 1, V] (valid
-        until the next call)."""
+        """Run one chunk on cache rows first_row..; returns a view of the preallocated logits [B, n, V] for
+        logits_index [B, n] ([B, 1, V] for [B]), valid until the next call."""
         batch = input_ids.shape[0]
         check_rows(self, first_row, batch)
-        self.binding = self._binding(first_row, batch)
-        keep = int64_inputs(input_ids, position_ids, logits_index)
+        index = logits_index if logits_index.dim() == 2 else logits_index[:, None]
+        n = index.shape[1]
+        if not self.sidecar.logits_per_call:  # an export from before the contract's [batch, logits]
+            if n != 1:
+                raise KvedgeError(f"{self.dir}: this export returns one position's logits a call (logits_index "
+                                  f"[batch]: exported by an older kvedge); re-export it to score every position")
+            index = index[:, 0]
+        self.binding = self._binding(first_row, batch, n)
+        keep = int64_inputs(input_ids, position_ids, index)
         for name, t in zip(TOKEN_INPUTS, keep):  # `keep` holds the buffers alive through the run
             self.binding.bind_input(name, "cpu", 0, np.int64, list(t.shape), t.data_ptr())
         self.session.run_with_iobinding(self.binding)
-        return self.logits[:batch]
+        return self._logits_view(batch, n)
 
     def weights_bytes(self) -> int:
         return onnx_weight_bytes(self.dir, self.sidecar)

@@ -98,7 +98,7 @@ class Session:
                     raise KvedgeError(
                         f"row {r}: {len(row)} prompt tokens + {reserve} to generate exceed the cache's "
                         f"max_seq_len {self.max_seq_len}; shorten the prompt, lower max_new_tokens, export with a "
-                        f"larger --max-seq-len, or pass truncate=True to drop the oldest prompt tokens")
+                        f"larger --max-seq-len, or drop the oldest prompt tokens (truncate=True; kvedge generate --truncate)")
                 rows[r] = row[-room:]
         return rows
 

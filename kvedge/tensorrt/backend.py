@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kvedge.artifact import TOKEN_INPUTS, Sidecar, onnx_weight_bytes
+from kvedge.artifact import LOGITS_CHUNK, TOKEN_INPUTS, Sidecar, onnx_weight_bytes
 from kvedge.dtypes import to_torch
 from kvedge.errors import KvedgeError, require
 from kvedge.runtime.backend import check_rows
@@ -127,8 +127,10 @@ class TrtBackend:
                 self._pairs.append([past, present, a, a])
             else:
                 self._pairs.append([past, present, self._buffers[f"{past}#A"][1], self._buffers[f"{past}#B"][1]])
-        self.logits = torch.empty((self.max_batch, 1, self.cfg.vocab_size), dtype=to_torch(sc.logits_dtype),
-                                  device="cuda")
+        # flat: [B, n, V] for any B and n is a contiguous view of its start (n: at most the prefill profile's)
+        self._logits_per_row = LOGITS_CHUNK if sc.logits_per_call else 1
+        self.logits = torch.empty(self.max_batch * self._logits_per_row * self.cfg.vocab_size,
+                                  dtype=to_torch(sc.logits_dtype), device="cuda")
 
     def _contexts(self, trt):
         memory = self.path.user_managed_memory
@@ -167,7 +169,15 @@ class TrtBackend:
                               "after each step), so it runs cache rows from 0 only; kvedge serve needs an in-place "
                               "cache (TensorRT's own KV-cache update, or the plugin lowering)")
         ctx = self.contexts[1 if l == 1 else 0]
-        staged = [t.to("cuda", dt).contiguous() for t, dt in zip((input_ids, position_ids, logits_index),
+        index = logits_index if logits_index.dim() == 2 else logits_index[:, None]  # [B, n]
+        n = index.shape[1]
+        if n > self._logits_per_row:
+            raise KvedgeError(f"logits of {n} positions a row asked for; this engine returns at most "
+                              f"{self._logits_per_row}" + ("" if self.sidecar.logits_per_call else
+                                                           " (an export from an older kvedge: re-export it)"))
+        if not self.sidecar.logits_per_call:
+            index = index[:, 0]
+        staged = [t.to("cuda", dt).contiguous() for t, dt in zip((input_ids, position_ids, index),
                                                                   self._index_dtypes)]
         for name, t in zip(TOKEN_INPUTS, staged):
             ctx.set_input_shape(name, tuple(t.shape))
@@ -186,7 +196,7 @@ class TrtBackend:
         if not self.in_place:
             for pair in self._pairs:  # the present buffer holds the updated cache: it is past next time
                 pair[2], pair[3] = pair[3], pair[2]
-        return self.logits[:b].float().cpu()
+        return self.logits[:b * n * self.cfg.vocab_size].view(b, n, self.cfg.vocab_size).float().cpu()
 
 
 def wait_for_torch(stream: int) -> None:

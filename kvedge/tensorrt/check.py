@@ -58,11 +58,11 @@ ATTENTION_ATTRS_REFUSED = ("qk_matmul_output_mode", "softcap")
 # ONNX tensor dtypes: first TensorRT release that builds with them.
 DTYPE_SINCE = {1: (8, 6), 10: (8, 6), 6: (8, 6), 7: (8, 6), 9: (8, 6), 2: (8, 6), 3: (8, 6),
                16: (9, 0), 17: (9, 0), 22: (10, 0)}  # float, fp16, int32, int64, bool, uint8, int8, bf16, fp8, int4
-PLUGINS = {  # custom-domain op -> what provides it
-    ("com.microsoft", "GroupQueryAttention"): "ONNX Runtime's contrib op: no TensorRT implementation; "
-                                              "re-export with --attention onnx or decomposed",
+PLUGINS = {  # custom-domain op -> what provides it (which lowering to take instead depends on the weights it must
+    # carry: kvedge.tensorrt.recipe, which `kvedge check` prints last)
+    ("com.microsoft", "GroupQueryAttention"): "ONNX Runtime's contrib op: no TensorRT implementation",
     ("com.microsoft", "MatMulNBits"): "ONNX Runtime's contrib op (weight-only INT4/INT8): no TensorRT "
-                                      "implementation; re-export with --attention onnx (DequantizeLinear + MatMul)",
+                                      "implementation",
 }
 
 
@@ -119,7 +119,8 @@ def _version_key(v: tuple[int, int], table: dict) -> int:
     return best
 
 
-def check(model_path: str | Path, trt_version: str, dynamic_axes: tuple[str, ...] = ("batch", "seq")) -> CheckReport:
+def check(model_path: str | Path, trt_version: str,
+          dynamic_axes: tuple[str, ...] = ("batch", "seq", "logits")) -> CheckReport:
     import onnx
 
     v = parse_version(trt_version)
@@ -131,7 +132,7 @@ def check(model_path: str | Path, trt_version: str, dynamic_axes: tuple[str, ...
     opset = next((i.version for i in model.opset_import if i.domain in ("", "ai.onnx")), None)
     if opset is not None and opset > max_opset:
         rep.findings.append(Finding("opset", f"graph opset {opset} is newer than TensorRT {trt_version}'s parser "
-                                             f"reads (<= {max_opset}); re-export with --trt-version {trt_version}"))
+                                             f"reads (<= {max_opset})"))  # the way out: kvedge.tensorrt.recipe
     seen: set[tuple[str, str]] = set()
     for node in model.graph.node:
         key = (node.domain or "", node.op_type)
@@ -279,5 +280,10 @@ def quantization_findings(model, v: tuple[int, int]) -> list[Finding]:
     out = [Finding("quantization", f"{msg} ({n} node{'s' if n > 1 else ''})") for msg, n in problems.items()]
     out += [Finding("quantization", f"{msg} ({n} node{'s' if n > 1 else ''})", blocking=False)
             for msg, n in cautions.items()]
-    return out + [Finding("quantization", f"{QUANT_FORMS[dt]['name']} weight-only layers build for "
-                                          f"{QUANT_FORMS[dt]['gpus']} GPUs", blocking=False) for dt in sorted(used)]
+    out += [Finding("quantization", f"{QUANT_FORMS[dt]['name']} weight-only layers build for "
+                                    f"{QUANT_FORMS[dt]['gpus']} GPUs", blocking=False) for dt in sorted(used)]
+    if 3 in used:  # TensorRT docs, Working with Quantized Types (10.11, 11.0)
+        out.append(Finding("quantization", "INT8 weights without quantized activations: TensorRT's weight-only "
+                                           "quantization is INT4 only, so the engine may hold them as float",
+                           blocking=False))
+    return out

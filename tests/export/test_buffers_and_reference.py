@@ -25,7 +25,7 @@ def test_present_bound_to_past_equals_separate_buffers(lowering, exported):
     past = {n: np.zeros((1, cfg.num_kv_heads, MAX_SEQ, cfg.head_dim), np.float32) for n in names}
     ids = np.arange(3, 15, dtype=np.int64)[None]
     pos = np.arange(12, dtype=np.int64)[None]
-    last = np.array([11])
+    last = np.array([[11]])  # logits_index [batch, logits]: one position a row
     for step in range(6):
         sep = sess.run(None, {"input_ids": ids, "position_ids": pos, "logits_index": last, **past})
         got = shared.forward(torch.from_numpy(ids), torch.from_numpy(pos), torch.from_numpy(last)).numpy()
@@ -34,7 +34,7 @@ def test_present_bound_to_past_equals_separate_buffers(lowering, exported):
             past[name] = present
             np.testing.assert_array_equal(present, shared.caches[names.index(name)].numpy())
         nxt = int(sep[0][0, -1].argmax())
-        ids, pos, last = np.array([[nxt]]), np.array([[12 + step]]), np.array([0])
+        ids, pos, last = np.array([[nxt]]), np.array([[12 + step]]), np.array([[0]])
 
 
 def attention_only_graph(lowering: str, q, k, v, kc, vc, pos, scale, window, softcap):

@@ -49,11 +49,12 @@ def test_existing_folder_is_refused_without_force(tmp_path, hf_checkpoint):
     assert (tmp_path / "keep.txt").read_text() == "mine"
 
 
-def test_failed_verification_leaves_no_sidecar(tmp_path, hf_checkpoint):
+def test_failed_verification_leaves_nothing(tmp_path, hf_checkpoint):
     path, _ = hf_checkpoint("llama-mha")
-    with pytest.raises(KvedgeError, match=r"verification failed: max abs logit error .* > 0 x .*; no kvedge\.json"):
+    with pytest.raises(KvedgeError, match=r"verification failed: the graph against PyTorch: max abs logit error .* > "
+                                          r"0 x .*; nothing was written"):
         export(path, tmp_path / "out", ExportOptions(max_seq_len=32, tolerance={"max_rel": 0.0, "min_cosine": -1.0}))
-    assert not (tmp_path / "out" / SIDECAR).exists()
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("lowering,scheme", [("ort", "int4"), ("onnx", "int8")])
@@ -80,17 +81,21 @@ def test_verification_fails_on_a_quantized_graph_with_one_weight_changed(lowerin
 
     monkeypatch.setattr(exporter_module, "check_onnx", check_then_perturb)
     path, _ = hf_checkpoint("llama-gqa4-llama3rope")
-    with pytest.raises(KvedgeError, match=r"verification failed: max abs logit error .* > 0.001 x .*; no kvedge\.json"):
+    with pytest.raises(KvedgeError, match=r"verification failed: the graph against PyTorch: max abs logit error .* > "
+                                          r"0.001 x .*; nothing was written"):
         export(path, tmp_path / "out", ExportOptions(attention=lowering, quantize=scheme, max_seq_len=32,
                                                      verify_steps=4, calibration_tokens=64, allow_degraded=True))
-    assert not (tmp_path / "out" / SIDECAR).exists()
+    assert not (tmp_path / "out").exists()
 
 
-def test_interrupted_export_leaves_no_sidecar_and_a_rerun_replaces_the_old_one(tmp_path, hf_checkpoint):
+def test_interrupted_export_keeps_the_old_one_whole_and_a_rerun_replaces_it(tmp_path, hf_checkpoint):
+    """An export writes into a staging folder beside OUT and moves its files in at the end: interrupted, the earlier
+    export in OUT is as it was (its sidecar beside its own graph, never a stale sidecar beside a new graph); a rerun
+    replaces it."""
     path, _ = hf_checkpoint("llama-mha")
     out = tmp_path / "out"
     export(path, out, ExportOptions(max_seq_len=32, verify=False))
-    assert (out / SIDECAR).exists()
+    graph = (out / "model.onnx").read_bytes()
 
     def interrupt(msg):
         if msg.split("] ", 1)[1].startswith("verifying"):
@@ -98,8 +103,10 @@ def test_interrupted_export_leaves_no_sidecar_and_a_rerun_replaces_the_old_one(t
 
     with pytest.raises(KeyboardInterrupt):
         export(path, out, ExportOptions(max_seq_len=48, force=True), progress=interrupt)
-    assert not (out / SIDECAR).exists()  # the stale sidecar of the first export is gone too
-    assert not list(out.glob(".kvedge-*"))
+    assert Sidecar.read(out).max_seq_len == 32 and (out / "model.onnx").read_bytes() == graph
+    assert [p.name for p in tmp_path.iterdir()] == ["out"] and not list(out.glob(".kvedge-*"))
+    export(path, out, ExportOptions(max_seq_len=48, force=True, verify_steps=2))
+    assert Sidecar.read(out).max_seq_len == 48 and (out / "model.onnx").read_bytes() != graph
 
 
 def test_lowering_refuses_what_it_cannot_express(tmp_path, hf_checkpoint):

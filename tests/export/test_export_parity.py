@@ -145,9 +145,11 @@ def test_contract_names_shapes_and_sidecar(exported):
     assert meta["inputs"][:3] == [
         {"name": "input_ids", "dtype": "int64", "shape": ["batch", "seq"]},
         {"name": "position_ids", "dtype": "int64", "shape": ["batch", "seq"]},
-        {"name": "logits_index", "dtype": "int64", "shape": ["batch"]}]
-    assert meta["outputs"][0]["shape"] == ["batch", 1, sidecar.model.vocab_size]
-    assert [d.dim_value for d in graph.output[0].type.tensor_type.shape.dim][1:] == [1, sidecar.model.vocab_size]
+        {"name": "logits_index", "dtype": "int64", "shape": ["batch", "logits"]}]
+    assert meta["outputs"][0]["shape"] == ["batch", "logits", sidecar.model.vocab_size]
+    assert [d.dim_param or d.dim_value for d in graph.output[0].type.tensor_type.shape.dim] == \
+        ["batch", "logits", sidecar.model.vocab_size]
+    assert [d.dim_param for d in graph.input[2].type.tensor_type.shape.dim] == ["batch", "logits"]
     assert meta["lowering"] == "onnx" and meta["opset"] == 24 and meta["max_seq_len"] == MAX_SEQ
     assert meta["model"]["num_kv_heads"] == 4 and meta["kvedge_version"]
     ops = {n.op_type for n in graph.node}

@@ -64,8 +64,8 @@ def test_the_int4_top1_gate_fails_the_export_unless_allow_degraded(int4_args, de
 
     assert main([*int4_args, "-o", str(tmp_path / "gated")]) == 2
     err = capsys.readouterr().err
-    assert f"int4 top-1 agreement with the unquantized model {v['vs_unquantized']['top1_agreement']:.0%} < 85% " \
-           "(pass --allow-degraded to keep it)" in err
+    assert f"int4 weights: top-1 agreement with the unquantized model {v['vs_unquantized']['top1_agreement']:.0%} " \
+           "< 85% (" in err and "--allow-degraded keeps it" in err
     assert not (tmp_path / "gated" / SIDECAR).exists()
 
 
@@ -123,7 +123,8 @@ def test_the_int8_cache_gate_fails_an_export_calibrated_on_too_little_text(hf_ch
             "--max-seq-len", str(MAX_SEQ), "--verify-steps", "8", "--calibration-tokens", "128", "--quiet"]
     assert main([*args, "-o", str(tmp_path / "gated")]) == 2
     err = capsys.readouterr().err
-    assert "int8 top-1 agreement with a float KV cache" in err and "< 90% (pass --allow-degraded to keep it)" in err
+    assert "int8 KV cache: top-1 agreement with a float KV cache" in err and "< 90% (" in err
+    assert "--allow-degraded keeps it" in err
     assert not (tmp_path / "gated" / SIDECAR).exists()
 
 
@@ -145,5 +146,6 @@ def test_the_int8_weight_gate_fails_an_export_of_a_model_with_outlier_weights(tm
             "8", "--calibration-tokens", "128", "--quiet"]
     assert main([*args, "-o", str(tmp_path / "gated")]) == 2
     err = capsys.readouterr().err
-    assert "int8 top-1 agreement with the unquantized model" in err and "< 95% (pass --allow-degraded" in err
+    assert "int8 weights: top-1 agreement with the unquantized model" in err and "< 95% (" in err
+    assert "--allow-degraded keeps it" in err
     assert not (tmp_path / "gated" / SIDECAR).exists()

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from kvedge.artifact import LOGITS_CHUNK
 from kvedge.cli import main
 from kvedge.errors import KvedgeError
-from kvedge.tensorrt.buffers import buffer_plan, profiles
+from kvedge.tensorrt.buffers import buffer_plan, logits_per_row, profiles
 from kvedge.tensorrt.versions import select_path
 from kvedge.tensorrt.check import check
 from tests.conftest import MAX_SEQ
@@ -141,7 +142,10 @@ def test_profiles_fix_the_cache_axis(exported):
     cfg = sc.model
     assert prefill.shapes["input_ids"] == ((1, 1), (2, 16), (2, 32))
     assert decode.shapes["input_ids"] == ((1, 1), (2, 1), (2, 1))
-    assert decode.shapes["logits_index"] == ((1,), (2,), (2,))
+    # logits: 1 position a row when decoding; up to LOGITS_CHUNK (eval's chunk) within the prefill length
+    assert decode.shapes["logits_index"] == ((1, 1), (2, 1), (2, 1))
+    assert prefill.shapes["logits_index"] == ((1, 1), (2, 1), (2, min(LOGITS_CHUNK, 32)))
+    assert logits_per_row(sc, 512) == LOGITS_CHUNK == 64  # a longer prefill still returns at most eval's chunk
     cache = (cfg.num_kv_heads, MAX_SEQ, cfg.head_dim)
     for prof in (prefill, decode):
         assert prof.shapes["past_key.0"] == ((1, *cache), (2, *cache), (2, *cache))
@@ -163,7 +167,7 @@ def test_buffer_plan_in_place_and_double_buffered(exported):
     assert len(pairs) == 4 * cfg.num_layers and sum(b.bytes for b in pairs) == 2 * sum(b.bytes for b in caches)
     assert pairs[0].binds == ("past_key.0", "present_key.0") and pairs[1].binds == ("present_key.0", "past_key.0")
     logits = next(b for b in inplace if b.name == "logits")
-    assert logits.bytes == 3 * cfg.vocab_size * 4
+    assert logits.bytes == 3 * min(LOGITS_CHUNK, MAX_SEQ) * cfg.vocab_size * 4  # up to eval's chunk a row
 
 
 def test_a_plugin_graph_keeps_its_cache_in_place_on_every_version(exported):
@@ -363,7 +367,7 @@ def test_int64_inputs_are_int32_engine_tensors_on_8_6(exported):
     for version, size in (("8.6", 4), ("10.3", 8)):
         plan = {b.name: b.bytes for b in buffer_plan(sc, select_path(version), max_prefill_len=16)}
         assert (plan["input_ids"], plan["position_ids"], plan["logits_index"]) == (3 * 16 * size, 3 * 16 * size,
-                                                                                   3 * size)
+                                                                                   3 * 16 * size)
 
 
 def _graph(path, nodes, inputs, outputs, opset: int):

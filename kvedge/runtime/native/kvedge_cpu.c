@@ -1589,10 +1589,11 @@ size_t kv_scratch_bytes(const kv_model *m, int B, int L, int threads) {
 }
 
 /* Run B rows of L tokens (ids, pos [B][L]; positions contiguous per row) through the decoder, writing
- * each row's k, v into the caches, and the logits of position logit_index[b] of each row to
- * logits [B][vocab]. scratch: kv_scratch_bytes(m, B, L, threads) bytes. */
+ * each row's k, v into the caches, and the logits of positions logit_index[b][0..K-1] of each row (K <= L:
+ * generation asks 1, kvedge eval every position of its chunk) to logits [B][K][vocab].
+ * scratch: kv_scratch_bytes(m, B, L, threads) bytes. */
 void kv_forward(const kv_model *m, int B, int L, const int64_t *ids, const int64_t *pos, const int64_t *logit_index,
-                float *logits, int threads, void *scratch) {
+                int K, float *logits, int threads, void *scratch) {
     int M = B * L, H = m->hidden, hq = m->hq, hkv = m->hkv, d = m->d, g = hq / hkv;
     int qkv_n = (hq + 2 * hkv) * d, up_n = m->glu ? 2 * m->inter : m->inter;
     size_t kmax = max3(H, (size_t)hq * d, m->inter), at[S_END + 1];
@@ -1765,20 +1766,21 @@ void kv_forward(const kv_model *m, int B, int L, const int64_t *ids, const int64
                 for (int i = 0; i < H; i++) xr[i] += o[i] * m->residual_scale;
             }
         }
-        if (!rep) sync_team(); /* the final norm splits by batch row: other threads' token rows */
-        int b0, b1;
-        span(rep, B, &b0, &b1);
-        for (int b = b0; b < b1; b++)
-            rmsnorm(xs + ((size_t)b * L + logit_index[b]) * H, m->final_norm, H, m->eps, m->unit_offset, hs + (size_t)b * H);
-        linear_rows(&m->lm_head, B, hs, logits, m->vocab, qs8, sas, cs, rep, NULL, NULL);
+        if (!rep) sync_team(); /* the final norm splits by output row: other threads' token rows */
+        int n = B * K, j0, j1; /* output row j: position logit_index[j] of batch row j / K (n <= M: hs holds them) */
+        span(rep, n, &j0, &j1);
+        for (int j = j0; j < j1; j++)
+            rmsnorm(xs + ((size_t)(j / K) * L + logit_index[j]) * H, m->final_norm, H, m->eps, m->unit_offset,
+                    hs + (size_t)j * H);
+        linear_rows(&m->lm_head, n, hs, logits, m->vocab, qs8, sas, cs, rep, NULL, NULL);
         if (m->logits_divisor != 1.f) {
 #pragma omp for schedule(static) nowait
-            for (size_t i = 0; i < (size_t)B * m->vocab; i++) logits[i] /= m->logits_divisor;
+            for (size_t i = 0; i < (size_t)n * m->vocab; i++) logits[i] /= m->logits_divisor;
             sync_team();
         }
         if (m->final_softcap > 0.f) {
 #pragma omp for schedule(static) nowait
-            for (size_t i = 0; i < (size_t)B * m->vocab; i++)
+            for (size_t i = 0; i < (size_t)n * m->vocab; i++)
                 logits[i] = tanhf(logits[i] / m->final_softcap) * m->final_softcap;
             sync_team();
         }
