@@ -146,3 +146,21 @@ def test_symmetric_ort_export_drops_the_zero_points(scheme, hf_checkpoint, tmp_p
     assert sc.verification["passed"] and sc.verification["max_abs_error"] < 1e-4
     nodes = [n for n in onnx.load(str(tmp_path / "q" / "model.onnx")).graph.node if n.op_type == "MatMulNBits"]
     assert len(nodes) == 4 * sc.model.num_layers and all(len(n.input) < 4 or not n.input[3] for n in nodes)
+
+
+@pytest.mark.parametrize("bits,affine", [(4, False), (8, False), (4, True)])
+def test_the_reference_dequantizes_a_few_rows_at_a_time_and_computes_the_same(bits, affine, monkeypatch):
+    """torch.ops.kvedge.qlinear dequantizes whole output rows a chunk at a time (a float copy of a large matrix
+    never exists): with chunks of 7 rows (48 = 6 x 7 + 6, a short last chunk), the product equals x times the
+    whole dequantized matrix, row for row, and a mins term (affine blocks) stays with its rows."""
+    import kvedge.models.quant as quant
+
+    q, s, z = quantize(W, bits, 32)
+    mins = torch.randn(s.numel(), generator=torch.Generator().manual_seed(1)) if affine else None
+    zeros = torch.empty((48, 0), dtype=torch.uint8) if affine else z
+    x = torch.randn(3, 5, 128, generator=torch.Generator().manual_seed(2))
+    whole = torch.nn.functional.linear(x, dequantize(q, s, zeros, bits, 128, mins))
+    monkeypatch.setattr(quant, "DEQUANT_ROWS_OF", 7 * 128)
+    chunked = torch.ops.kvedge.qlinear(x, q, s, zeros, bits, 128, 0, mins)
+    assert chunked.shape == whole.shape
+    torch.testing.assert_close(chunked, whole, rtol=1e-5, atol=1e-5)
