@@ -575,6 +575,10 @@ def load_decoder(path: str | Path, dtype: str | torch.dtype | None = None, devic
     linears: dict[str, nn.Module] = {}
     record: dict[str, Any] = {"file": g.path.name, "architecture": g.arch, "file_type": _file_type(g),
                               "linears": {}, "float_linears": {}, "dequantized": {}}
+    def release(names):  # read: the map's pages of these tensors need not stay resident (a view re-reads them)
+        for t in (g.tensors[n] for n in names):
+            g.reader.release(t.data_offset, t.data_offset + t.n_bytes)
+
     for dst, (names, _, _) in plan.items():
         types = [g.type_name(n) for n in names]
         quantized = [t in QUANT_TYPES for t in types]
@@ -583,6 +587,7 @@ def load_decoder(path: str | Path, dtype: str | torch.dtype | None = None, devic
             if len(set(types)) == 1:
                 linears[module] = _quant_linear(g, names, types[0], cfg, f"{module}.bias" in plan, want, device)
                 record["linears"][module] = types[0]
+                release(names)
                 continue
         if _is_linear(dst) and any(quantized):
             record["float_linears"][dst[: -len(".weight")]] = dict(zip(names, types))
@@ -591,8 +596,7 @@ def load_decoder(path: str | Path, dtype: str | torch.dtype | None = None, devic
         parts = [read_float(g, n, cfg) for n in names]
         w = parts[0] if len(parts) == 1 else np.concatenate(parts)
         state[dst] = torch.from_numpy(w).to(device=device, dtype=want)
-    for t in g.reader.tensors:  # read above: the map's pages need not stay resident (a view re-reads its pages)
-        g.reader.release(t.data_offset, t.data_offset + t.n_bytes)
+        release(names)
     with torch.device("meta"):
         model = Decoder(cfg)
     for module, linear in linears.items():
