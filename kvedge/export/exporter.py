@@ -13,6 +13,7 @@ earlier export in out_dir whole; a folder without kvedge.json is never an export
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import gc
 import io
 import logging
@@ -31,7 +32,7 @@ from kvedge.errors import KvedgeError
 from kvedge.export import lowerings, prepare
 from kvedge.export.graph import ExportGraph
 from kvedge.export.prepare import ExportOptions
-from kvedge.models import Decoder, KVCache, load_decoder
+from kvedge.models import Decoder, load_decoder
 from kvedge.models.loader import torch_dtype
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -39,6 +40,18 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 # Weights above this go to model.onnx.data, written a tensor at a time; a single file is serialized whole in memory
 # first, a second copy of the weights beside the graph's own (protobuf cannot write one file past 2 GiB at all).
 EXTERNAL_DATA_THRESHOLD = 512 * 1024**2
+# While tracing, tensors from this size go to a scratch file (to_onnx), so the ModelProto never holds the weights.
+SCRATCH_THRESHOLD = 1024
+DATA_ALIGNMENT = 4096  # each tensor of model.onnx.data starts on a page: a runtime may map it in place
+
+
+def _release_freed() -> None:
+    """Collect, then hand freed memory back to the system. glibc keeps the freed tensors of a model in its arenas
+    (its mmap threshold grows to 32 MB as large blocks come and go), so without malloc_trim a freed Decoder still
+    counts in the process's resident memory. Other C libraries: collection only."""
+    gc.collect()
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None).malloc_trim(0)
 
 
 class _Progress:
@@ -63,15 +76,18 @@ def _quiet_export(fn):
             logging.getLogger("torch").setLevel(level)
 
 
-def to_onnx(decoder: Decoder, lowering: str, max_seq_len: int, kv_scales=None):
+def to_onnx(decoder: Decoder, lowering: str, max_seq_len: int, kv_scales=None, scratch: Path | None = None):
     """Trace the Decoder into an onnx ModelProto with the chosen attention lowering (names per contract).
-    kv_scales (k_scales, v_scales): an int8 cache with these per-layer scales (initializers of the graph)."""
+    kv_scales (k_scales, v_scales): an int8 cache with these per-layer scales (initializers of the graph).
+    scratch: a file the weights are written to a tensor at a time as soon as they are traced; the ModelProto then
+    refers to them there (external data) instead of holding a copy of every weight (`_save` moves them on)."""
     low = lowerings.get(lowering)
     cfg = decoder.cfg
     dtype = torch.int8 if kv_scales is not None else next(decoder.parameters()).dtype
     b, l = 2, 3  # example sizes; both axes are dynamic
-    cache = KVCache.allocate(cfg, b, max_seq_len, dtype=dtype, scales=kv_scales)
-    past = [t for kv in zip(cache.keys, cache.values) for t in kv]
+    k_shape, v_shape = cfg.cache_shapes(b, max_seq_len)
+    # only the example caches' shapes are traced: left empty, their pages are never touched (never resident)
+    past = [torch.empty(shape, dtype=dtype) for _ in range(cfg.num_layers) for shape in (k_shape, v_shape)]
     # two positions' logits a row in the example: an axis of size 1 would be traced as a constant 1
     args = (torch.zeros(b, l, dtype=torch.long), torch.arange(l).expand(b, l).contiguous(),
             torch.arange(1, l).expand(b, l - 1).contiguous(), *past)
@@ -91,15 +107,25 @@ def to_onnx(decoder: Decoder, lowering: str, max_seq_len: int, kv_scales=None):
         input_names=input_names(cfg.num_layers), output_names=output_names(cfg.num_layers),
         custom_translation_table=table,
         opset_version=max(opset, 18), optimize=True, verbose=False))
-    proto = program.model_proto
-    del program  # the exported program and the ONNX IR: only the ModelProto is kept
-    gc.collect()  # torch.export's graphs hold reference cycles
+    model = program.model  # the ONNX IR: its initializers are views of the Decoder's tensors, not copies
+    del program  # the exported program: only the ONNX IR is kept
+    _release_freed()  # torch.export's graphs hold reference cycles
+    import onnx_ir
+
+    base_dir = ""
+    if scratch is not None:
+        from onnx_ir.external_data import unload_from_model
+
+        unload_from_model(model, scratch.parent, scratch.name, size_threshold_bytes=SCRATCH_THRESHOLD)
+        base_dir = str(scratch.parent)
+    proto = onnx_ir.serde.serialize_model(model)
+    del model
     if opset < 18:
         from kvedge.export.opset17 import downgrade_to_17
 
-        proto = downgrade_to_17(proto)
+        proto = downgrade_to_17(proto, base_dir)
     if low.finalize is not None:  # the lowering's own graph rewrite
-        low.finalize(proto)
+        low.finalize(proto, base_dir)
     _name_dynamic_axes(proto)
     return proto
 
@@ -129,17 +155,51 @@ def _name_dynamic_axes(proto) -> None:
             dims[1].dim_param = "logits"
 
 
-def _save(proto, path: Path, data_name: str) -> str | None:
-    """Save; weights go to an external data file `data_name` when they pass EXTERNAL_DATA_THRESHOLD."""
+def _save(proto, path: Path, base_dir: str = "") -> str | None:
+    """Save the graph. Its weights, held in the proto or in external data under base_dir (to_onnx's scratch file),
+    go into model.onnx itself up to EXTERNAL_DATA_THRESHOLD, else to `model.onnx.data` a tensor at a time (then
+    returns that file's name). Tensors the graph no longer reads (a rewrite replaced them) are not carried."""
     import onnx
+    from onnx.external_data_helper import ExternalDataInfo, uses_external_data
 
-    size = sum(t.ByteSize() for t in proto.graph.initializer)
-    external = size > EXTERNAL_DATA_THRESHOLD
-    location = data_name if external else None
-    (path.parent / data_name).unlink(missing_ok=True)  # onnx appends to an existing data file; never keep a stale one
-    onnx.save_model(proto, str(path), save_as_external_data=external, all_tensors_to_one_file=True,
-                    location=location, size_threshold=1024)
-    return location
+    inits = list(proto.graph.initializer)
+    external = [t for t in inits if uses_external_data(t)]
+    size = sum(t.ByteSize() for t in inits) + sum(ExternalDataInfo(t).length for t in external)
+    if size <= EXTERNAL_DATA_THRESHOLD:
+        if external:
+            onnx.load_external_data_for_model(proto, base_dir)
+        onnx.save_model(proto, str(path))
+        return None
+    data = path.with_name(path.name + ".data")
+    sources: dict[str, io.BufferedReader] = {}
+    try:
+        with open(data, "wb") as out:
+            for t in inits:
+                if uses_external_data(t):
+                    info = ExternalDataInfo(t)
+                    if info.location not in sources:
+                        sources[info.location] = open(os.path.join(base_dir, info.location), "rb")
+                    src = sources[info.location]
+                    src.seek(info.offset or 0)
+                    raw = src.read(info.length)
+                elif t.HasField("raw_data") and len(t.raw_data) >= 1024:
+                    raw = t.raw_data
+                else:
+                    continue
+                out.write(b"\0" * (-out.tell() % DATA_ALIGNMENT))
+                offset = out.tell()
+                out.write(raw)
+                t.ClearField("raw_data")
+                del t.external_data[:]
+                t.data_location = onnx.TensorProto.EXTERNAL
+                for key, value in (("location", data.name), ("offset", offset), ("length", len(raw))):
+                    t.external_data.add(key=key, value=str(value))
+                del raw
+    finally:
+        for f in sources.values():
+            f.close()
+    onnx.save_model(proto, str(path))
+    return data.name
 
 
 def check_onnx(path: Path) -> None:
@@ -223,14 +283,28 @@ def _export(model_dir: Path, out_dir: Path, o: ExportOptions, cfg, low, say) -> 
     scored = quant if pre is None or requantized else None  # weights that have a model without that quantization
     if o.verify and (scored or kv_scales is not None):
         quality = _quality_gate(decoder, model_dir, o, scored, kv_scales, say)
+    from kvedge.export import verify
+
+    checks = o.verify and low.runs_on_onnxruntime
+    reference = None
+    if checks and verify.runs_on_cpu(o.dtype):  # before tracing, whose leftovers in the C heap a run would grow
+        say(f"PyTorch's side of the verification: a {o.verify_prompt_len}-token prompt + {o.verify_steps} greedy "
+            f"decode steps")
+        reference = verify.reference(decoder, o.max_seq_len, o.verify_prompt_len, o.verify_steps,
+                                     kv_scales=kv_scales)
     opset = graph_opset(decoder, low)
     say(f"tracing to ONNX: lowering {low.name!r}, opset {opset}, {o.dtype}, max_seq_len {o.max_seq_len}"
         + (", int8 KV cache" if kv_scales is not None else ""))
-    proto = to_onnx(decoder, low.name, o.max_seq_len, kv_scales)
+    scratch = out_dir / ".traced-weights"  # inside the staging folder: removed with it on any failure
+    proto = to_onnx(decoder, low.name, o.max_seq_len, kv_scales, scratch)
+    del decoder  # from here on the weights are in the files only: ONNX Runtime never loads beside the Decoder
+    _release_freed()
     onnx_path = out_dir / "model.onnx"
     say(f"writing the graph ({len(proto.graph.node)} nodes)")
-    external = _save(proto, onnx_path, onnx_path.name + ".data")
+    external = _save(proto, onnx_path, str(out_dir))
+    scratch.unlink(missing_ok=True)
     del proto
+    _release_freed()
     say("onnx.checker (full check, shape inference)")
     check_onnx(onnx_path)
     if model_dir.suffix.lower() == ".gguf":  # the file's own tokenizer and chat template, as Hugging Face files
@@ -248,23 +322,19 @@ def _export(model_dir: Path, out_dir: Path, o: ExportOptions, cfg, low, say) -> 
                       extra={"source_checkpoint": str(model_dir.resolve()), "quantization": quant},
                       plugins=list(low.plugins), requires=requires)
     sidecar.cache = cache_record or {"dtype": sidecar.cache_dtype}
-    if o.verify and not low.runs_on_onnxruntime:
+    if o.verify and not checks:
         sidecar.verification = {"passed": True, "skipped": f"the {low.name!r} lowering runs only inside TensorRT "
                                 "(its plugin); verify it on the device with `kvedge parity --backend tensorrt`",
                                 "max_abs_error": float("nan"), "min_cosine": float("nan"),
                                 "greedy_agreement": float("nan"), **quality}
     elif o.verify:
-        from kvedge.export.verify import summary, verify
-
-        say(f"verifying on ONNX Runtime CPU against PyTorch: {o.verify_prompt_len}-token prompt + "
-            f"{o.verify_steps} decode steps")
+        say("verifying the graph on ONNX Runtime CPU against PyTorch's run")
         tolerance = o.tolerance
         if tolerance is None and quant and o.accuracy_level:
             tolerance = {"max_rel": None, "min_cosine": 0.999}  # int8 activations: compared by cosine only
-        report = verify(decoder, out_dir, sidecar, o.verify_prompt_len, o.verify_steps, tolerance=tolerance,
-                        kv_scales=kv_scales, quality_report=quality)
+        report = verify.verify(reference, out_dir, sidecar, tolerance=tolerance, quality_report=quality)
         sidecar.verification = report
-        for line in summary(report):
+        for line in verify.summary(report):
             say(line)
         if not report["passed"]:
             raise KvedgeError(f"verification failed: the graph against PyTorch: {report['reason']}; nothing was "

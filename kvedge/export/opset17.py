@@ -44,10 +44,10 @@ def _split_sizes(n, dims) -> list[int]:
     return [part] * (count - 1) + [size - part * (count - 1)]
 
 
-def downgrade_to_17(model: onnx.ModelProto) -> onnx.ModelProto:
+def downgrade_to_17(model: onnx.ModelProto, base_dir: str = "") -> onnx.ModelProto:
     g = model.graph
     dims = _static_dims(model)
-    const = constants(g)
+    const = constants(g, base_dir)
     for n in g.node:
         if n.domain not in ("", "ai.onnx"):
             continue

@@ -7,7 +7,8 @@ gate) and teacher-forced on a text (perplexities, top-1, cosine: reported). It r
 so that a model the gate refuses costs seconds and writes nothing.
 
 verify: the same prompt, then N greedy decode steps (the tokens PyTorch chooses are fed to both), with the caches
-bound in place exactly as the runtime binds them. Reports max abs logit error, the lowest cosine and the
+bound in place exactly as the runtime binds them. PyTorch runs first (`reference`), so that an export can free the
+Decoder before ONNX Runtime loads the graph. Reports max abs logit error, the lowest cosine and the
 greedy-token agreement, judged per step by kvedge.runtime.compare (the tolerances of `kvedge parity`). An
 int8-cache export is compared with the same model over an int8 cache with the same scales (tightly: both
 implement one quantization).
@@ -135,31 +136,48 @@ def quality(decoder: Decoder, max_seq_len: int, prompt_len: int, steps: int, sch
     return report, refusal
 
 
+def runs_on_cpu(dtype: str) -> bool:
+    """Whether ONNX Runtime's CPU provider can run a graph of this dtype (it has no bf16 kernels)."""
+    return dtype != "bf16"
+
+
 @torch.inference_mode()
-def verify(decoder: Decoder, out_dir: str | Path, sidecar: Sidecar, prompt_len: int = 16, steps: int = 16,
-           seed: int = 0, tolerance: dict | None = None, kv_scales=None, quality_report: dict | None = None) -> dict:
-    """The graph in out_dir on ONNX Runtime against `decoder` (PyTorch, over an int8 cache with kv_scales if
-    given), fed the same random prompt and then the decoder's greedy tokens, within `tolerance` (keys of
-    kvedge.runtime.compare.TOLERANCES overriding the dtype's preset). quality_report: the quantization's own figures
-    (`quality`, scored before tracing), carried into the report."""
-    if sidecar.dtype == "bf16":
+def reference(decoder: Decoder, max_seq_len: int, prompt_len: int = 16, steps: int = 16, seed: int = 0,
+              kv_scales=None) -> dict:
+    """PyTorch's side of `verify`, run before the graph's: the random prompt, then `steps` greedy decode steps of
+    `decoder` (over an int8 cache with kv_scales if given), each step's inputs and logits. Nothing of it depends on
+    the graph, so the Decoder can be freed before ONNX Runtime loads the graph: the two never hold their weights at
+    the same time."""
+    ids = random_prompt(decoder.cfg, max_seq_len, prompt_len, steps, seed)
+    prompt_len = ids.shape[1]
+    cache = _cache(decoder, prompt_len + steps, kv_scales)  # what the run fills: not max_seq_len (MBs a layer)
+    pos, last = torch.arange(prompt_len)[None], torch.tensor([prompt_len - 1])
+    inputs, logits = [], []
+    for step in range(steps + 1):
+        ref = decoder(ids, pos, cache.for_batch(1), logit_index=last).float()
+        inputs.append((ids, pos, last))
+        logits.append(ref)
+        ids = ref[:, -1].argmax(-1, keepdim=True)  # teacher-forced on PyTorch's greedy choice
+        pos = torch.tensor([[prompt_len + step]])
+        last = torch.tensor([0])
+    return {"prompt_len": prompt_len, "steps": steps, "inputs": inputs, "logits": logits}
+
+
+@torch.inference_mode()
+def verify(ref: dict, out_dir: str | Path, sidecar: Sidecar, tolerance: dict | None = None,
+           quality_report: dict | None = None) -> dict:
+    """The graph in out_dir on ONNX Runtime against PyTorch's run `ref` (`reference`): the same inputs at every
+    step, within `tolerance` (keys of kvedge.runtime.compare.TOLERANCES overriding the dtype's preset).
+    quality_report: the quantization's own figures (`quality`, scored before tracing), carried into the report."""
+    if not runs_on_cpu(sidecar.dtype):
         return {"passed": True, "skipped": "ONNX Runtime's CPU provider has no bf16 kernels; the graph was "
                 "checked by onnx.checker only", "max_abs_error": float("nan"), "min_cosine": float("nan"),
                 "greedy_agreement": float("nan"), **(quality_report or {})}
     backend = OrtBackend(out_dir, sidecar=sidecar, max_batch=1)
-    cache = _cache(decoder, sidecar.max_seq_len, kv_scales)
-    ids = random_prompt(decoder.cfg, sidecar.max_seq_len, prompt_len, steps, seed)
-    prompt_len = ids.shape[1]
-    pos, last = torch.arange(prompt_len)[None], torch.tensor([prompt_len - 1])
     tol = compare.tolerance(sidecar.dtype, tolerance)
-    figs = []
-    for step in range(steps + 1):
-        ref = decoder(ids, pos, cache.for_batch(1), logit_index=last).float()
-        got = backend.forward(ids, pos, last).float()
-        figs.append(compare.step(got, ref))
-        ids = ref[:, -1].argmax(-1, keepdim=True)  # teacher-forced on PyTorch's greedy choice
-        pos = torch.tensor([[prompt_len + step]])
-        last = torch.tensor([0])
+    figs = [compare.step(backend.forward(*inputs).float(), logits)
+            for inputs, logits in zip(ref["inputs"], ref["logits"])]
+    del backend
     worst = max(figs, key=lambda st: st.max_rel)
     min_cos = min(st.cosine for st in figs)
     reasons = []
@@ -168,9 +186,9 @@ def verify(decoder: Decoder, out_dir: str | Path, sidecar: Sidecar, prompt_len: 
                        f"(largest |logit| of that step)")
     if not min_cos >= tol["min_cosine"]:
         reasons.append(f"cosine {min_cos:.6f} < {tol['min_cosine']}")
-    return {**(quality_report or {}), "passed": not reasons, "reason": "; ".join(reasons), "prompt_len": prompt_len,
-            "steps": steps, "max_abs_error": max(st.max_abs for st in figs), "max_rel_error": worst.max_rel,
-            "max_abs_logit": max(st.scale for st in figs), "min_cosine": min_cos,
+    return {**(quality_report or {}), "passed": not reasons, "reason": "; ".join(reasons),
+            "prompt_len": ref["prompt_len"], "steps": ref["steps"], "max_abs_error": max(st.max_abs for st in figs),
+            "max_rel_error": worst.max_rel, "max_abs_logit": max(st.scale for st in figs), "min_cosine": min_cos,
             "greedy_agreement": sum(st.top1_agree for st in figs) / len(figs), "tolerance": tol,
             "provider": "CPUExecutionProvider"}
 

@@ -14,7 +14,7 @@ from kvedge.errors import KvedgeError
 from kvedge.export import to_onnx
 from kvedge.export.lowerings import LOWERINGS
 from kvedge.export.prepare import ExportOptions, check_loaded_quant
-from kvedge.export.verify import verify
+from kvedge.export.verify import reference, verify
 from kvedge.models import load_decoder
 from kvedge.models.quant import PROJECTIONS, QuantLinear, _pack4, dequantize
 from tests.conftest import MAX_SEQ
@@ -65,7 +65,7 @@ def test_ort_export_keeps_the_integers_and_verifies(affine_decoder, tmp_path):
     sc = Sidecar(model=affine_decoder.cfg, lowering="ort", dtype="fp32", opset=21, max_seq_len=MAX_SEQ, max_batch=1,
                  inputs=inputs, outputs=outputs)
     sc.write(tmp_path)
-    report = verify(affine_decoder, tmp_path, sc, prompt_len=8, steps=4)
+    report = verify(reference(affine_decoder, MAX_SEQ, prompt_len=8, steps=4), tmp_path, sc)
     assert report["passed"] and report["max_rel_error"] < 1e-4, report
 
 
@@ -81,7 +81,7 @@ def test_dequantizelinear_lowerings_verify_affine_blocks(lowering, affine_decode
     sc = Sidecar(model=affine_decoder.cfg, lowering=lowering, dtype="fp32", opset=21, max_seq_len=MAX_SEQ,
                  max_batch=1, inputs=inputs, outputs=outputs)
     sc.write(tmp_path)
-    report = verify(affine_decoder, tmp_path, sc, prompt_len=8, steps=4)
+    report = verify(reference(affine_decoder, MAX_SEQ, prompt_len=8, steps=4), tmp_path, sc)
     assert report["passed"] and report["max_rel_error"] < 1e-4, report
     with pytest.raises(KvedgeError, match="already quantized"):
         check_loaded_quant(affine_decoder, ExportOptions(quantize="int4"), LOWERINGS[lowering])

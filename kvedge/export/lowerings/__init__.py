@@ -40,7 +40,9 @@ class Lowering:
     # the least opset its quantized weights need, given their bit widths and whether any is blocked (0: any)
     weights_opset: Callable[[set[int], bool], int] = _any_opset
     int8_cache: bool = False  # it can hold an int8 KV cache (scales as graph initializers)
-    finalize: Callable | None = None  # its own rewrite of the traced ModelProto, in place
+    # its own rewrite of the traced ModelProto, in place: finalize(proto, base_dir), base_dir the folder of the
+    # proto's external data (its weights; "" when they are in the proto)
+    finalize: Callable | None = None
     runs_on_onnxruntime: bool = True  # export verifies the graph on ONNX Runtime's CPU provider
     min_onnxruntime: tuple[int, int] | None = None  # the oldest ONNX Runtime that runs its graphs
     plugins: tuple[str, ...] = ()  # custom ops a runtime must register before parsing (sidecar "plugins")

@@ -5,9 +5,10 @@ from __future__ import annotations
 from onnxscript import opset18 as op
 
 
-def constants(graph):
+def constants(graph, base_dir: str = ""):
     """name -> the value (numpy) of an initializer or Constant node, or None. Converted on each call, not up front:
-    the initializers are the weights, and converting them all would copy every weight of the model."""
+    the initializers are the weights, and converting them all would copy every weight of the model. base_dir: the
+    folder of the initializers' external data, if any."""
     from onnx import numpy_helper
 
     tensors = {t.name: t for t in graph.initializer}
@@ -16,7 +17,7 @@ def constants(graph):
 
     def value(name: str):
         t = tensors.get(name)
-        return None if t is None else numpy_helper.to_array(t)
+        return None if t is None else numpy_helper.to_array(t, base_dir)
 
     return value
 

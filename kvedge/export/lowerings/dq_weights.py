@@ -113,7 +113,7 @@ def min_opset(bits: set[int], blocked: bool) -> int:
     return BLOCKED_OPSET if 4 in bits or blocked else 0
 
 
-def finalize(proto) -> None:
+def finalize(proto, base_dir: str = "") -> None:
     """Replace each BlockedWeight by DequantizeLinear over INT4 / INT8 initializers, each BlockOffset by its float32
     initializer, or, where every offset is zero, drop the offset term."""
     import ml_dtypes
@@ -131,7 +131,7 @@ def finalize(proto) -> None:
         attrs = {a.name: a.i for a in node.attribute}
         key = tuple(node.input)
         if key not in forms:
-            arrays = [numpy_helper.to_array(inits[name]) for name in node.input]
+            arrays = [numpy_helper.to_array(inits[name], base_dir) for name in node.input]
             forms[key] = signed_form(*arrays[:3], arrays[3] if len(arrays) > 3 else None, attrs["bits"], attrs["K"])
         w, s, offset = forms[key]
         at = list(graph.node).index(node)

@@ -30,7 +30,7 @@ def unsupported(cfg: ModelConfig) -> list[str]:
     return reasons
 
 
-def finalize(proto) -> None:
+def finalize(proto, base_dir: str = "") -> None:
     """Drop the Attention nodes' trailing outputs nobody reads (its optional present / qk outputs), so runtimes
     neither compute nor allocate them; write the quantized weights (dq_weights.finalize)."""
     graph = proto.graph
@@ -41,7 +41,7 @@ def finalize(proto) -> None:
             while len(keep) > 1 and keep[-1] not in used:
                 keep.pop()
             del node.output[len(keep):]
-    dq_weights.finalize(proto)
+    dq_weights.finalize(proto, base_dir)
 
 
 def translate(q, k, v, k_cache, v_cache, positions, scale: float, window: int, softcap: float, cos=None, sin=None):

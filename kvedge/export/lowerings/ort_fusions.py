@@ -12,7 +12,7 @@ from kvedge.export.lowerings.ort_gqa import DOMAIN
 from kvedge.models.quant import unpack4
 
 
-def fuse(proto) -> None:
+def fuse(proto, base_dir: str = "") -> None:
     """Strip the views around GroupQueryAttention that the export leaves (the Decoder's [B, H, L, D] view
     of q, k, v and of the output, and this lowering's views back to [B, L, H * D]):
     - when q, k and v are the three outputs of one Split of the fused projection, GQA gets the packed
@@ -58,12 +58,12 @@ def fuse(proto) -> None:
         if end is not None and end != node.output[0]:
             for user in users.get(end, []):
                 user.input[list(user.input).index(end)] = node.output[0]
-    _fuse_skip_rms_norm(graph, producer, users)
-    _drop_midpoint_zero_points(graph)
+    _fuse_skip_rms_norm(graph, producer, users, base_dir)
+    _drop_midpoint_zero_points(graph, base_dir)
     drop_unused(proto)
 
 
-def _drop_midpoint_zero_points(graph) -> None:
+def _drop_midpoint_zero_points(graph, base_dir: str) -> None:
     """MatMulNBits whose zero points are all the midpoint 2^(bits-1) (--symmetric) loses its zero-point
     input: that is the op's default, and its kernel skips the per-group zero point then (faster)."""
     import onnx
@@ -75,7 +75,7 @@ def _drop_midpoint_zero_points(graph) -> None:
                 or inits[n.input[3]].data_type != onnx.TensorProto.UINT8):  # float zero points: affine blocks
             continue
         a = {x.name: x.i for x in n.attribute}
-        z = numpy_helper.to_array(inits[n.input[3]]).reshape(a["N"], -1)
+        z = numpy_helper.to_array(inits[n.input[3]], base_dir).reshape(a["N"], -1)
         if a["bits"] == 4:  # two a byte, low nibble first; an odd count leaves a padding nibble
             z = unpack4(z, a["K"] // a["block_size"])
         if (z == 2 ** (a["bits"] - 1)).all():
@@ -85,13 +85,13 @@ def _drop_midpoint_zero_points(graph) -> None:
                 n.input[3] = ""
 
 
-def _fuse_skip_rms_norm(graph, producer, users) -> None:
+def _fuse_skip_rms_norm(graph, producer, users, base_dir: str) -> None:
     """Residual Add + the Decoder's RMSNorm (x / Sqrt(ReduceMean(x^2, -1) + eps) * w, float32) ->
     one SkipSimplifiedLayerNormalization (ONNX Runtime contrib op) whose 4th output is the sum the next
     residual Add reads. ONNX Runtime fuses the norm alone, not the Add before it."""
     from onnx import helper
 
-    const = constants(graph)
+    const = constants(graph, base_dir)
 
     def one(name, op_type):
         n = producer.get(name)

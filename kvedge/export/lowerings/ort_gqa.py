@@ -165,10 +165,10 @@ def translate(q, k, v, k_cache, v_cache, positions, scale: float, window: int, s
     return out, present_k, present_v
 
 
-def finalize(proto) -> None:
+def finalize(proto, base_dir: str = "") -> None:
     from kvedge.export.lowerings import ort_fusions
 
-    ort_fusions.fuse(proto)
+    ort_fusions.fuse(proto, base_dir)
 
 
 # int8 cache: GQA's quantized cache (k_scale / v_scale, PER_CHANNEL), the kvedge.models.attention semantics
