@@ -101,6 +101,8 @@ def to_onnx(decoder: Decoder, lowering: str, max_seq_len: int, kv_scales=None, s
         import kvedge.models.quant  # noqa: F401  (registers torch.ops.kvedge.qlinear)
 
         table[torch.ops.kvedge.qlinear.default] = low.translate_qlinear
+    if low.translate_qembedding is not None:
+        table[torch.ops.kvedge.qembedding.default] = low.translate_qembedding
     opset = graph_opset(decoder, low)
     program = _quiet_export(lambda: torch.onnx.export(
         ExportGraph(decoder, kv_scales).eval(), args, dynamo=True, dynamic_shapes=dynamic,
@@ -263,7 +265,9 @@ def export(model_dir: str | Path, out_dir: str | Path, options: ExportOptions | 
 def _export(model_dir: Path, out_dir: Path, o: ExportOptions, cfg, low, say) -> Sidecar:
     """export's work, into the staging folder out_dir; returns the sidecar, not yet written."""
     say(f"loading {model_dir} ({cfg.arch}, {cfg.num_layers} layers, {cfg.num_heads}/{cfg.num_kv_heads} heads)")
-    decoder = load_decoder(model_dir, dtype=torch_dtype(o.dtype))
+    decoder = load_decoder(model_dir, dtype=torch_dtype(o.dtype), quantized_embedding=embedding_bits(cfg, o, low))
+    if hasattr(decoder.embed, "accuracy_level"):  # a QuantEmbedding: a tied head computes as the linears do
+        decoder.embed.accuracy_level = o.accuracy_level
     pre = getattr(decoder, "prequantized", None)  # AWQ / GPTQ / GGUF: the loader made its QuantLinears
     requantized = 0
     if pre is not None:
@@ -340,6 +344,17 @@ def _export(model_dir: Path, out_dir: Path, o: ExportOptions, cfg, low, say) -> 
             raise KvedgeError(f"verification failed: the graph against PyTorch: {report['reason']}; nothing was "
                               f"written")
     return sidecar
+
+
+def embedding_bits(cfg, o: ExportOptions, low) -> tuple[int, ...]:
+    """The bit widths at which a GGUF file's quantized embedding is exported in its integers (no float copy of the
+    largest matrix of a small model), where the lowering can gather them. A tied head then computes on them too:
+    at 8 bits only with int8 activations (accuracy level 4), since ONNX Runtime's CPU MatMulNBits dequantizes
+    8-bit weights on every call otherwise, 25x slower than the float MatMul on a 49152 x 576 head
+    (docs/benchmarks.md)."""
+    if low.translate_qembedding is None:
+        return ()
+    return (4, 8) if not cfg.tie_embeddings or o.accuracy_level == 4 else (4,)
 
 
 def _quality_gate(decoder: Decoder, model_dir: Path, o: ExportOptions, quant: dict | None, kv_scales, say) -> dict:

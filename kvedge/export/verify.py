@@ -33,7 +33,7 @@ KV_TOP1 = {"int8": 0.90}  # an int8 KV cache against a float one (same weights)
 
 def _cache(decoder: Decoder, length: int, kv_scales=None) -> KVCache:
     """A batch-1 cache for `decoder`: float (its dtype), or int8 with kv_scales."""
-    dtype = decoder.embed.weight.dtype if kv_scales is None else torch.int8
+    dtype = next(decoder.parameters()).dtype if kv_scales is None else torch.int8
     return KVCache.allocate(decoder.cfg, 1, length, dtype=dtype, scales=kv_scales)
 
 

@@ -218,8 +218,12 @@ class Decoder(nn.Module):
             index = logit_index if logit_index.dim() == 2 else logit_index[:, None]
             x = x[torch.arange(x.shape[0], device=x.device)[:, None], index]
         h = self.norm(x)
-        # tied embeddings share the embedding matrix, unless a separate (e.g. quantized) lm_head was set
-        logits = self.lm_head(h) if hasattr(self, "lm_head") else F.linear(h, self.embed.weight)
+        # tied embeddings share the embedding matrix (a quantized one: its own integers), unless a separate (e.g.
+        # quantized) lm_head was set
+        if hasattr(self, "lm_head"):
+            logits = self.lm_head(h)
+        else:
+            logits = self.embed.linear(h) if hasattr(self.embed, "linear") else F.linear(h, self.embed.weight)
         if cfg.logits_divisor != 1.0:
             logits = logits / cfg.logits_divisor
         if cfg.final_softcap is not None:

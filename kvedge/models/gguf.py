@@ -44,7 +44,10 @@ Weights are never re-rounded:
   - A fused projection (q, k, v -> qkv; gate, up -> up) whose parts share one quantized type is one
     QuantLinear; parts of different types (Q4_K_M files keep attn_v in Q6_K) load as floats, gguf's
     dequantized values, and are listed in `decoder.gguf["float_linears"]`.
-  - Embeddings and norms load as floats (dequantized exactly where the file quantized them).
+  - Embeddings and norms load as floats (dequantized exactly where the file quantized them); with
+    quantized_embedding (bit widths) a quantized token_embd of those bits becomes a QuantEmbedding over the file's
+    integers instead (its rows dequantized as looked up, the same values; a tied head is that same QuantLinear),
+    recorded as `decoder.gguf["embedding"]`.
 """
 
 from __future__ import annotations
@@ -542,7 +545,7 @@ def _is_linear(dst: str) -> bool:
 
 
 def _quant_linear(g: GGUFFile, names: tuple[str, ...], kind: str, cfg: ModelConfig, bias: bool,
-                  dtype: torch.dtype, device):
+                  dtype: torch.dtype, device, cls=None):
     from kvedge.models.quant import QuantLinear, pack
 
     bits, group, affine, zero = QUANT_TYPES[kind]
@@ -554,18 +557,23 @@ def _quant_linear(g: GGUFFile, names: tuple[str, ...], kind: str, cfg: ModelConf
     zeros = torch.empty((n, 0), dtype=torch.uint8) if affine else torch.full((n, groups), zero, dtype=torch.uint8)
     with torch.device("meta"):  # a shell: shape, dtype and bias; nothing is computed
         shell = nn.Linear(groups * group, n, bias=bias, dtype=dtype)
-    linear = QuantLinear(shell, bits, group, packed=pack(q, s, zeros, bits), mins=mins)
+    linear = (cls or QuantLinear)(shell, bits, group, packed=pack(q, s, zeros, bits), mins=mins)
     for b in _BUFFERS:  # the bias stays a meta shell until the state dict is loaded
         if getattr(linear, b) is not None:
             setattr(linear, b, getattr(linear, b).to(device))
     return linear
 
 
-def load_decoder(path: str | Path, dtype: str | torch.dtype | None = None, device: str | torch.device = "cpu"):
+def load_decoder(path: str | Path, dtype: str | torch.dtype | None = None, device: str | torch.device = "cpu",
+                 quantized_embedding: tuple[int, ...] = ()):
     """The Decoder of a GGUF file: float32 unless `dtype` is given (every value the file holds is exact in
-    float32). Quantized projections become QuantLinears over the file's integers (module doc)."""
+    float32). Quantized projections become QuantLinears over the file's integers (module doc).
+    quantized_embedding: the bit widths (of QUANT_TYPES: 4, 8) at which a quantized token_embd stays in the file's
+    integers too (a QuantEmbedding, which a tied head reads as well) instead of float: what a lowering that can
+    gather quantized rows exports."""
     from kvedge.models.decoder import Decoder
     from kvedge.models.loader import torch_dtype
+    from kvedge.models.quant import QuantEmbedding
 
     g = open_gguf(path)
     cfg = ModelConfig.from_hf(hf_config(g), str(g.path))
@@ -582,6 +590,11 @@ def load_decoder(path: str | Path, dtype: str | torch.dtype | None = None, devic
     for dst, (names, _, _) in plan.items():
         types = [g.type_name(n) for n in names]
         quantized = [t in QUANT_TYPES for t in types]
+        if dst == "embed.weight" and all(quantized) and QUANT_TYPES[types[0]][0] in quantized_embedding:
+            linears["embed"] = _quant_linear(g, names, types[0], cfg, False, want, device, QuantEmbedding)
+            record["embedding"] = types[0]
+            release(names)
+            continue
         if _is_linear(dst) and all(quantized):
             module = dst[: -len(".weight")]
             if len(set(types)) == 1:
@@ -605,7 +618,7 @@ def load_decoder(path: str | Path, dtype: str | torch.dtype | None = None, devic
     model.load_state_dict(state, strict=True, assign=True)
     model.set_rope_buffers(device)
     model.gguf = record
-    if linears:  # export and the native engine take them as they are
+    if record["linears"]:  # export and the native engine take them as they are
         kinds = sorted({t.split()[0] for t in record["linears"].values()})
         model.prequantized = {"method": "gguf", "scheme": record["file_type"] or "+".join(kinds), "types": kinds,
                               "bits": sorted({QUANT_TYPES[t][0] for t in kinds}),

@@ -293,13 +293,16 @@ def _check(cfg: ModelConfig, tmap: dict[str, Source], shapes: dict[str, tuple[in
 
 
 def load_decoder(model_dir: str | Path, dtype: str | torch.dtype | None = None,
-                 device: str | torch.device = "cpu", allow_bin: bool = False) -> Decoder:
-    """Build the Decoder of a local checkpoint directory (or a GGUF file), in the checkpoint's dtype or `dtype`."""
+                 device: str | torch.device = "cpu", allow_bin: bool = False,
+                 quantized_embedding: tuple[int, ...] = ()) -> Decoder:
+    """Build the Decoder of a local checkpoint directory (or a GGUF file), in the checkpoint's dtype or `dtype`.
+    quantized_embedding: bit widths at which a GGUF file's quantized embedding is kept in its integers
+    (kvedge.models.gguf.load_decoder); other checkpoints' embeddings are float anyway."""
     model_dir = Path(model_dir)
     if model_dir.suffix.lower() == ".gguf":
         from kvedge.models import gguf
 
-        return gguf.load_decoder(model_dir, dtype=dtype, device=device)
+        return gguf.load_decoder(model_dir, dtype=dtype, device=device, quantized_embedding=quantized_embedding)
     cfg = load_config(model_dir)
     want = torch_dtype(dtype) or (TORCH[cfg.dtype] if cfg.dtype in FLOAT_NAMES else torch.float32)
     ckpt = _Checkpoint(model_dir, allow_bin)

@@ -10,7 +10,8 @@ Storage follows ONNX Runtime's MatMulNBits layout, so the `ort` lowering exports
   scales  float [N * K / group]
   zeros   uint8 [N * ceil((K / group) * bits / 8)] (4 bits: packed like the weights)
 The model calls `torch.ops.kvedge.qlinear`; export translates it per target (MatMulNBits, or
-blocked DequantizeLinear + MatMul), as it does the attention op.
+blocked DequantizeLinear + MatMul), as it does the attention op. An embedding kept quantized (QuantEmbedding: a
+GGUF file's token_embd) holds the same layout and calls `torch.ops.kvedge.qembedding` for its rows.
 """
 
 from __future__ import annotations
@@ -151,6 +152,25 @@ def _(x, qweight, scales, zeros, bits, k, accuracy_level, mins=None):
     return x.new_empty((*x.shape[:-1], qweight.shape[0]))
 
 
+@torch.library.custom_op("kvedge::qembedding", mutates_args=())
+def qembedding(ids: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int,
+               k: int, mins: torch.Tensor | None = None) -> torch.Tensor:
+    """Rows `ids` [...] of the quantized [N, K] matrix, dequantized -> [..., K] in scales' dtype: only the rows
+    looked up are ever float. mins: as in qlinear."""
+    n, flat = qweight.shape[0], ids.reshape(-1)
+
+    def rows(t):  # the looked-up rows of a per-row tensor (zeros is empty for affine blocks)
+        return None if t is None else t.reshape(n, -1)[flat] if t.numel() else t
+
+    w = dequantize(qweight[flat], rows(scales), rows(zeros), bits, k, rows(mins))
+    return w.to(scales.dtype).reshape(*ids.shape, k)
+
+
+@qembedding.register_fake
+def _(ids, qweight, scales, zeros, bits, k, mins=None):
+    return scales.new_empty((*ids.shape, k))
+
+
 QUANT_BITS = {"int8": 8, "int4": 4}  # the --quantize schemes
 PROJECTIONS = ("qkv", "o", "up", "down")  # the linears of a Block, in the order data flows through them
 
@@ -186,6 +206,19 @@ class QuantLinear(nn.Module):
         y = torch.ops.kvedge.qlinear(x, self.qweight, self.scales.to(x.dtype), self.zeros, self.bits,
                                      self.in_features, self.accuracy_level, mins)
         return y if self.bias is None else y + self.bias
+
+
+class QuantEmbedding(QuantLinear):
+    """An embedding [vocab, hidden] kept in its quantized blocks (a GGUF file's token_embd): forward(ids) dequantizes
+    the rows looked up; linear(h) is the same integers as a tied output head (h @ W.T), so neither direction ever
+    holds a float copy of the matrix. Built like a QuantLinear with in_features = hidden, out_features = vocab."""
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return torch.ops.kvedge.qembedding(ids, self.qweight, self.scales, self.zeros, self.bits, self.in_features,
+                                           self.mins)
+
+    def linear(self, h: torch.Tensor) -> torch.Tensor:
+        return super().forward(h)
 
 
 def quantize_decoder(model: nn.Module, bits: int, group: int = 32, lm_head: bool = False,

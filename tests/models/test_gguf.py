@@ -13,7 +13,7 @@ import torch
 from kvedge.errors import CheckpointError, ConfigError
 from kvedge.models import KVCache, load_config, load_decoder
 from kvedge.models.gguf import QUANT_TYPES, write_hf_folder
-from kvedge.models.quant import QuantLinear, dequantize
+from kvedge.models.quant import QuantEmbedding, QuantLinear, dequantize
 from tests.conftest import ARCH_CASES, transformers_logits
 from tests.gguf_files import (GGUF_ARCH, PERMUTED_QK, gguf_state_dict, llama_unpermute, save_hf_checkpoint,
                               transformers_reference, write_gguf)
@@ -184,6 +184,25 @@ def test_every_type_loads_exactly_and_matches_transformers(qtype, hf_model, gguf
             assert torch.equal(model.get_submodule(name).weight, gguf_values(path, cfg, gguf_parts(cfg, name)))
     assert torch.equal(model.embed.weight, gguf_values(path, cfg, ["token_embd.weight"]))
     assert model.gguf["float_linears"] == {}
+    assert_matches(model, reference(case, path, hf_model), cfg.vocab_size)
+
+
+@pytest.mark.parametrize("case,qtype", [("llama-256", q) for q in SMALL_TYPES + K_TYPES]
+                         + [("llama-tied", q) for q in SMALL_TYPES] + [("gemma", "Q4_0")])
+def test_an_embedding_kept_quantized_looks_up_gguf_values_and_is_the_tied_head(case, qtype, hf_model, gguf_file):
+    """quantized_embedding (what export loads for a lowering that gathers quantized rows): token_embd stays in the
+    file's integers, no float copy of it exists, every row looked up equals gguf's own dequantizer bit for bit,
+    and the model matches transformers reading the same file, a tied head computing from those integers."""
+    path = gguf_file(case, qtype)
+    model = load_decoder(path, quantized_embedding=(4, 8))
+    cfg = model.cfg
+    assert isinstance(model.embed, QuantEmbedding) and hasattr(model, "lm_head") != cfg.tie_embeddings
+    assert model.gguf["embedding"] == qtype and "token_embd.weight" not in model.gguf["dequantized"]
+    want = gguf_values(path, cfg, ["token_embd.weight"])
+    assert torch.equal(model.embed(torch.arange(cfg.vocab_size)), want)
+    ids = torch.randint(0, cfg.vocab_size, (3, 5), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(model.embed(ids), want[ids])
+    assert not [n for n, t in model.state_dict().items() if t.is_floating_point() and t.shape == want.shape]
     assert_matches(model, reference(case, path, hf_model), cfg.vocab_size)
 
 

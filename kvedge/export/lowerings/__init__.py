@@ -33,6 +33,9 @@ class Lowering:
     unsupported: Callable[[ModelConfig], list[str]] = _nothing  # model features it cannot express
     # quantized linears: kvedge::qlinear's translation, and why a bit width cannot be exported ([] if it can)
     translate_qlinear: Callable | None = None
+    # kvedge::qembedding's translation (a GGUF file's quantized embedding gathered in its integers, a tied head as
+    # translate_qlinear over them); None: export loads that embedding as float
+    translate_qembedding: Callable | None = None
     unsupported_quant: Callable[[int], list[str]] = _nothing
     # affine blocks, w = q * scale + min (GGUF's Q4_1, Q4_K, Q5_K): why these bits cannot be exported; None:
     # the lowering has no form for them

@@ -19,84 +19,61 @@ from kvedge.models.config import ModelConfig
 DOMAIN = "com.microsoft"
 
 
-def _register_schema() -> None:
-    """Teach onnx (and so onnxscript and onnx.checker) the contrib op's signature, as ONNX Runtime
-    documents it in its contrib operator spec. Shape inference stays ONNX Runtime's."""
+FLOATS = ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"]
+# The contrib ops this lowering writes, with their signatures as ONNX Runtime's contrib operator spec documents
+# them: (inputs, outputs, attributes, type constraints); a "?" marks an optional input or output, "!" a required
+# attribute.
+CONTRIB_OPS = {
+    "GroupQueryAttention": (
+        ["query:T", "key:T?", "value:T?", "past_key:T_CACHE?", "past_value:T_CACHE?", "seqlens_k:M",
+         "total_sequence_length:M", "cos_cache:T?", "sin_cache:T?", "position_ids:tensor(int64)?",
+         "attention_bias:T?", "head_sink:T?", "k_scale:S?", "v_scale:S?", "q_norm_weight:T?", "k_norm_weight:T?",
+         "query_seqlens:M?"],
+        ["output:T", "present_key:T_CACHE", "present_value:T_CACHE"],  # output_qk left out
+        {"num_heads!": "INT", "kv_num_heads!": "INT", "scale": "FLOAT", "softcap": "FLOAT",
+         "local_window_size": "INT", "do_rotary": "INT", "rotary_interleaved": "INT", "smooth_softmax": "INT",
+         "qk_output": "INT", "kv_cache_bit_width": "INT", "k_quant_type": "STRING", "v_quant_type": "STRING"},
+        {"T": FLOATS, "T_CACHE": [*FLOATS, "tensor(int8)"], "M": ["tensor(int32)"], "S": ["tensor(float)"]}),
+    "MatMulNBits": (
+        ["A:T1", "B:T2", "scales:T1", "zero_points:T3?", "g_idx:T4?", "bias:T1?"], ["Y:T1"],
+        {"K!": "INT", "N!": "INT", "bits!": "INT", "block_size!": "INT", "accuracy_level": "INT"},
+        {"T1": FLOATS, "T2": ["tensor(uint8)", "tensor(int32)"],
+         "T3": ["tensor(uint8)", "tensor(int32)", "tensor(float16)", "tensor(float)"], "T4": ["tensor(int32)"]}),
+    "SkipSimplifiedLayerNormalization": (
+        ["input:T", "skip:T", "gamma:T", "bias:T?"],
+        ["output:T", "mean:U?", "inv_std_var:U?", "input_skip_bias_sum:T?"],
+        {"epsilon": "FLOAT"}, {"T": FLOATS, "U": ["tensor(float)"]}),
+    "GatherBlockQuantized": (
+        ["data:T1", "indices:Tind", "scales:T2", "zero_points:T1?"], ["output:T2"],
+        {"gather_axis": "INT", "quantize_axis": "INT", "block_size": "INT", "bits": "INT"},
+        {"T1": ["tensor(uint8)", "tensor(int4)", "tensor(uint4)"], "T2": FLOATS,
+         "Tind": ["tensor(int32)", "tensor(int64)"]}),
+}
+
+
+def _register_schemas() -> None:
+    """Teach onnx (and so onnxscript and onnx.checker) CONTRIB_OPS' signatures. Shape inference stays ONNX
+    Runtime's."""
     from onnx import defs
 
-    if defs.has("GroupQueryAttention", DOMAIN):
-        return
-    P, A = defs.OpSchema.FormalParameter, defs.OpSchema.Attribute
-    opt = defs.OpSchema.FormalParameterOption.Optional
-    ints, floats, strings = defs.OpSchema.AttrType.INT, defs.OpSchema.AttrType.FLOAT, defs.OpSchema.AttrType.STRING
-    inputs = [P("query", "T"), P("key", "T", param_option=opt), P("value", "T", param_option=opt),
-              P("past_key", "T_CACHE", param_option=opt), P("past_value", "T_CACHE", param_option=opt),
-              P("seqlens_k", "M"), P("total_sequence_length", "M"),
-              P("cos_cache", "T", param_option=opt), P("sin_cache", "T", param_option=opt),
-              P("position_ids", "tensor(int64)", param_option=opt),
-              P("attention_bias", "T", param_option=opt), P("head_sink", "T", param_option=opt),
-              P("k_scale", "S", param_option=opt), P("v_scale", "S", param_option=opt),
-              P("q_norm_weight", "T", param_option=opt), P("k_norm_weight", "T", param_option=opt),
-              P("query_seqlens", "M", param_option=opt)]
-    outputs = [P("output", "T"), P("present_key", "T_CACHE"), P("present_value", "T_CACHE")]  # output_qk left out
-    attributes = [A("num_heads", ints, "query heads", required=True),
-                  A("kv_num_heads", ints, "key/value heads", required=True)]
-    attributes += [A(n, t, "", required=False) for n, t in (("scale", floats), ("softcap", floats), ("local_window_size", ints),
-                                             ("do_rotary", ints), ("rotary_interleaved", ints),
-                                             ("smooth_softmax", ints), ("qk_output", ints),
-                                             ("kv_cache_bit_width", ints), ("k_quant_type", strings),
-                                             ("v_quant_type", strings))]
-    defs.register_schema(defs.OpSchema(
-        "GroupQueryAttention", DOMAIN, 1, inputs=inputs, outputs=outputs, attributes=attributes,
-        type_constraints=[("T", ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"], ""),
-                          ("T_CACHE", ["tensor(float)", "tensor(float16)", "tensor(bfloat16)", "tensor(int8)"], ""),
-                          ("M", ["tensor(int32)"], ""), ("S", ["tensor(float)"], "")]))
+    S = defs.OpSchema
+
+    def param(spec: str):
+        name, kind = spec.rstrip("?").split(":", 1)
+        return S.FormalParameter(name, kind, param_option=S.FormalParameterOption.Optional if spec.endswith("?")
+                                 else S.FormalParameterOption.Single)
+
+    for op_name, (inputs, outputs, attributes, types) in CONTRIB_OPS.items():
+        if defs.has(op_name, DOMAIN):
+            continue
+        defs.register_schema(S(
+            op_name, DOMAIN, 1, inputs=[param(i) for i in inputs], outputs=[param(o) for o in outputs],
+            attributes=[S.Attribute(a.rstrip("!"), getattr(S.AttrType, t), "", required=a.endswith("!"))
+                        for a, t in attributes.items()],
+            type_constraints=[(t, allowed, "") for t, allowed in types.items()]))
 
 
-def _register_matmulnbits() -> None:
-    """com.microsoft.MatMulNBits as ONNX Runtime's contrib operator spec documents it."""
-    from onnx import defs
-
-    if defs.has("MatMulNBits", DOMAIN):
-        return
-    P, A = defs.OpSchema.FormalParameter, defs.OpSchema.Attribute
-    opt = defs.OpSchema.FormalParameterOption.Optional
-    ints = defs.OpSchema.AttrType.INT
-    defs.register_schema(defs.OpSchema(
-        "MatMulNBits", DOMAIN, 1,
-        inputs=[P("A", "T1"), P("B", "T2"), P("scales", "T1"), P("zero_points", "T3", param_option=opt),
-                P("g_idx", "T4", param_option=opt), P("bias", "T1", param_option=opt)],
-        outputs=[P("Y", "T1")],
-        attributes=[A("K", ints, "", required=True), A("N", ints, "", required=True),
-                    A("bits", ints, "", required=True), A("block_size", ints, "", required=True),
-                    A("accuracy_level", ints, "", required=False)],
-        type_constraints=[("T1", ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"], ""),
-                          ("T2", ["tensor(uint8)", "tensor(int32)"], ""),
-                          ("T3", ["tensor(uint8)", "tensor(int32)", "tensor(float16)", "tensor(float)"], ""),
-                          ("T4", ["tensor(int32)"], "")]))
-
-
-def _register_skip_rms_norm() -> None:
-    """com.microsoft.SkipSimplifiedLayerNormalization as ONNX Runtime's contrib operator spec documents it."""
-    from onnx import defs
-
-    if defs.has("SkipSimplifiedLayerNormalization", DOMAIN):
-        return
-    P, A = defs.OpSchema.FormalParameter, defs.OpSchema.Attribute
-    opt = defs.OpSchema.FormalParameterOption.Optional
-    defs.register_schema(defs.OpSchema(
-        "SkipSimplifiedLayerNormalization", DOMAIN, 1,
-        inputs=[P("input", "T"), P("skip", "T"), P("gamma", "T"), P("bias", "T", param_option=opt)],
-        outputs=[P("output", "T"), P("mean", "U", param_option=opt), P("inv_std_var", "U", param_option=opt),
-                 P("input_skip_bias_sum", "T", param_option=opt)],
-        attributes=[A("epsilon", defs.OpSchema.AttrType.FLOAT, "", required=False)],
-        type_constraints=[("T", ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"], ""),
-                          ("U", ["tensor(float)"], "")]))
-
-
-_register_schema()
-_register_matmulnbits()
-_register_skip_rms_norm()
+_register_schemas()
 msft = Opset(DOMAIN, 1)
 
 
@@ -111,11 +88,34 @@ def translate_qlinear(x, qweight, scales, zeros, bits: int, k: int, accuracy_lev
                          block_size=k // nb, accuracy_level=accuracy_level)
     if mins is None:
         return y
-    offset = op.Add(op.Mul(scales, op.CastLike(fconst(2 ** (bits - 1)), scales)), mins)  # [N * nb]
-    offset = op.Transpose(op.Reshape(offset, const([n, nb])), perm=[1, 0])  # [nb, N]
+    offset = op.Transpose(_affine_offset(scales, mins, bits, n, nb), perm=[1, 0])  # [nb, N]
     sums = op.ReduceSum(op.Reshape(x, op.Concat(op.Shape(x, end=-1), const([nb, k // nb]), axis=0)), const([-1]),
                         keepdims=0)  # [..., nb]
     return op.Add(y, op.MatMul(sums, offset))
+
+
+def _affine_offset(scales, mins, bits: int, n: int, nb: int):
+    """midpoint * scale + min [N, nb]: what an affine block adds per group to (q - midpoint) * scale."""
+    return op.Reshape(op.Add(op.Mul(scales, op.CastLike(fconst(2 ** (bits - 1)), scales)), mins), const([n, nb]))
+
+
+def translate_qembedding(ids, qweight, scales, zeros, bits: int, k: int, mins=None):
+    """kvedge::qembedding -> GatherBlockQuantized over the integers a tied head's MatMulNBits reads: its uint8 data
+    [N, K * bits / 8] (low nibble first, as MatMulNBits), scales [N, K / block], zero points packed as MatMulNBits
+    packs them (onnxruntime contrib_ops/cpu/quantization/gather_block_quantized.cc: gather_axis 0, quantize_axis
+    last, block_size a power of 2 >= 16, output (q - zero) * scale in the scales' type). An affine block has no zero
+    point (the midpoint) and adds midpoint * scale + min per group, gathered beside."""
+    n, nb = qweight.shape[0], qweight.shape[1]
+    data = op.Reshape(qweight, const([n, k * bits // 8]))
+    rows = msft.GatherBlockQuantized(data, ids, op.Reshape(scales, const([n, nb])),
+                                     None if mins is not None else op.Reshape(zeros, const([n, -1])),
+                                     gather_axis=0, quantize_axis=1, block_size=k // nb, bits=bits)
+    if mins is None:
+        return rows
+    lead = op.Shape(ids)
+    blocks = op.Reshape(rows, op.Concat(lead, const([nb, k // nb]), axis=0))
+    offset = op.Unsqueeze(op.Gather(_affine_offset(scales, mins, bits, n, nb), ids, axis=0), const([-1]))
+    return op.Reshape(op.Add(blocks, offset), op.Concat(lead, const([k]), axis=0))
 
 
 def unsupported_affine(bits: int) -> list[str]:
@@ -174,6 +174,6 @@ def finalize(proto, base_dir: str = "") -> None:
 # int8 cache: GQA's quantized cache (k_scale / v_scale, PER_CHANNEL), the kvedge.models.attention semantics
 LOWERING = Lowering("ort", 21, "com.microsoft.GroupQueryAttention: the fastest on ONNX Runtime CPU (the default)",
                     translate, unsupported=unsupported, translate_qlinear=translate_qlinear,
-                    unsupported_affine=unsupported_affine,
+                    translate_qembedding=translate_qembedding, unsupported_affine=unsupported_affine,
                     int8_cache=True, finalize=finalize,
                     min_onnxruntime=(1, 32))  # GroupQueryAttention's query_seqlens input
