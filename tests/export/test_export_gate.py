@@ -68,6 +68,7 @@ def test_quantizing_a_quantized_gguf_leaves_no_folder(tmp_path):
     gguf = write_gguf(tmp_path / "tiny.gguf", tmp_path / "hf", "Q8_0")
     r = kvedge("export", str(gguf), "-o", str(tmp_path / "out"), "--quantize", "int4")
     assert r.returncode == 2 and "already quantized" in r.stderr.strip().splitlines()[-1]
+    assert "Traceback" not in r.stderr and r.stderr.strip().splitlines()[-1].startswith("kvedge: error: ")
     assert not (tmp_path / "out").exists()
 
 
