@@ -266,8 +266,11 @@ def _export(model_dir: Path, out_dir: Path, o: ExportOptions, cfg, low, say) -> 
     """export's work, into the staging folder out_dir; returns the sidecar, not yet written."""
     say(f"loading {model_dir} ({cfg.arch}, {cfg.num_layers} layers, {cfg.num_heads}/{cfg.num_kv_heads} heads)")
     decoder = load_decoder(model_dir, dtype=torch_dtype(o.dtype), quantized_embedding=embedding_bits(cfg, o, low))
-    if hasattr(decoder.embed, "accuracy_level"):  # a QuantEmbedding: a tied head computes as the linears do
-        decoder.embed.accuracy_level = o.accuracy_level
+    from kvedge.models.quant import QuantLinear
+
+    for m in decoder.modules():  # the loader's QuantLinears (a QuantEmbedding's tied head too) compute as asked
+        if isinstance(m, QuantLinear):
+            m.accuracy_level = o.accuracy_level
     pre = getattr(decoder, "prequantized", None)  # AWQ / GPTQ / GGUF: the loader made its QuantLinears
     requantized = 0
     if pre is not None:

@@ -158,11 +158,6 @@ def check_prequantized(model_dir: Path, o: ExportOptions, low):
 
 
 def prequantized_record(decoder: Decoder, o: ExportOptions, say: Callable[[str], None]) -> dict:
-    from kvedge.models.quant import QuantLinear
-
-    for m in decoder.modules():
-        if isinstance(m, QuantLinear):
-            m.accuracy_level = o.accuracy_level
     record = {**decoder.prequantized, "accuracy_level": o.accuracy_level}
     say(f"pre-quantized model: {record['linears']} {record['method']} linears, {record['scheme']}, kept as they "
         f"are (no re-rounding)")

@@ -122,6 +122,17 @@ def dequantize_values(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) 
     return (q.float() - zero.float()) * scale
 
 
+def dequantize_rows(index, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int, k: int,
+                    mins: torch.Tensor | None = None) -> torch.Tensor:
+    """dequantize of the rows `index` (a slice or an index tensor) only, float32 [rows, K]."""
+    n = qweight.shape[0]
+
+    def part(t):  # those rows of a per-row tensor (zeros is empty for affine blocks)
+        return None if t is None else t.reshape(n, -1)[index] if t.numel() else t
+
+    return dequantize(qweight[index], part(scales), part(zeros), bits, k, part(mins))
+
+
 # Elements of the weight matrix the torch reference dequantizes at once (whole rows; 4 MB as float32): the float
 # temporaries stay in the CPU's caches and below glibc's mmap threshold. A whole matrix (or 16 MB chunks) is mapped
 # and faulted in afresh on every call: 5x slower on a 1.7B model, and a float copy of the largest matrix resident.
@@ -138,13 +149,8 @@ def qlinear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros:
     never exists in float beside the model."""
     n = qweight.shape[0]
     rows = max(1, DEQUANT_ROWS_OF // k)
-
-    def part(t, a):  # rows a .. a + rows of a per-row tensor (zeros is empty for affine blocks)
-        return None if t is None else t.reshape(n, -1)[a:a + rows] if t.numel() else t
-
-    return torch.cat([torch.nn.functional.linear(x, dequantize(
-        qweight[a:a + rows], part(scales, a), part(zeros, a), bits, k, part(mins, a)).to(x.dtype))
-        for a in range(0, n, rows)], dim=-1)
+    return torch.cat([torch.nn.functional.linear(x, dequantize_rows(
+        slice(a, a + rows), qweight, scales, zeros, bits, k, mins).to(x.dtype)) for a in range(0, n, rows)], dim=-1)
 
 
 @qlinear.register_fake
@@ -157,12 +163,7 @@ def qembedding(ids: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
                k: int, mins: torch.Tensor | None = None) -> torch.Tensor:
     """Rows `ids` [...] of the quantized [N, K] matrix, dequantized -> [..., K] in scales' dtype: only the rows
     looked up are ever float. mins: as in qlinear."""
-    n, flat = qweight.shape[0], ids.reshape(-1)
-
-    def rows(t):  # the looked-up rows of a per-row tensor (zeros is empty for affine blocks)
-        return None if t is None else t.reshape(n, -1)[flat] if t.numel() else t
-
-    w = dequantize(qweight[flat], rows(scales), rows(zeros), bits, k, rows(mins))
+    w = dequantize_rows(ids.reshape(-1), qweight, scales, zeros, bits, k, mins)
     return w.to(scales.dtype).reshape(*ids.shape, k)
 
 
