@@ -539,6 +539,7 @@ def cmd_check(args) -> int:
     import onnx
 
     from kvedge.artifact import SIDECAR, Sidecar
+    from kvedge.tensorrt.buffers import in_place_cache
     from kvedge.tensorrt.check import check
     from kvedge.tensorrt.recipe import cpu_recipe, graph_weights, recipe
     from kvedge.tensorrt.versions import select_path
@@ -553,13 +554,14 @@ def cmd_check(args) -> int:
     model = (sc.extra.get("source_checkpoint") if sc else None) or "MODEL"
     if args.json:
         print(json.dumps({"tensorrt": args.trt_version, "buildable": rep.buildable, "lowering_wanted": path.lowering,
+                          "in_place_cache": None if sc is None else in_place_cache(sc, path),
                           "findings": [f.__dict__ for f in rep.findings], "weights": weights,
                           "recipe": None if rep.buildable else way.__dict__}, indent=2))
     else:
         for f in rep.findings:
             print(f"{'error' if f.blocking else 'note'}: [{f.kind}] {f.message}")
-        print(f"TensorRT {args.trt_version}: {'buildable' if rep.buildable else 'NOT buildable'} "
-              f"(KV cache {'in place' if path.in_place_cache else 'double-buffered'})")
+        cache = "" if sc is None else f" (KV cache {'in place' if in_place_cache(sc, path) else 'double-buffered'})"
+        print(f"TensorRT {args.trt_version}: {'buildable' if rep.buildable else 'NOT buildable'}{cache}")
         if not rep.buildable:  # the way out that carries these weights, or why there is none
             print(f"recipe: {way.line(model)}")
             if way.export is None:

@@ -57,10 +57,12 @@ class Buffer:
 
 
 def in_place_cache(sc: Sidecar, path: TrtPath) -> bool:
-    """Whether present shares past's buffer: TensorRT's own KV-cache update (path.in_place_cache), or a
-    plugin graph, whose plugin's cache outputs alias its cache inputs (built with ALIASED_PLUGIN_IO_10_03; NVIDIA's
-    samples/python/quickly_deployable_plugins/qdp_runner.py binds such an input and output at one address)."""
-    return path.in_place_cache or bool(sc.plugins)
+    """Whether present shares past's buffer: TensorRT's own KV-cache update (path.in_place_cache) on the `onnx`
+    lowering's TensorScatter, or a plugin graph, whose plugin's cache outputs alias its cache inputs (built with
+    ALIASED_PLUGIN_IO_10_03; NVIDIA's samples/python/quickly_deployable_plugins/qdp_runner.py binds such an input and
+    output at one address). A `decomposed` graph's ScatterElements writes a whole new present on every release, so
+    it stays double-buffered on 10.15+ too: an output bound over its own input would be read while written."""
+    return bool(sc.plugins) or (path.in_place_cache and sc.lowering == "onnx")
 
 
 def buffer_plan(sc: Sidecar, path: TrtPath, max_batch: int | None = None,

@@ -54,9 +54,8 @@ def build(export_dir: str | Path, precision: str = "fp16", max_batch: int | None
     export_dir = Path(export_dir)
     sc = Sidecar.read(export_dir)
     path: TrtPath = select_path(trt.__version__)
-    if sc.lowering != path.lowering and not sc.plugins:  # a plugin graph builds wherever its plugin runs
-        raise KvedgeError(f"TensorRT {trt.__version__} wants the {path.lowering!r} lowering; this export is "
-                          f"{sc.lowering!r}: re-export with --attention {path.lowering}")
+    # the pre-flight is the one gate: `kvedge check` says what builds (a decomposed graph builds on 10.15+ too,
+    # double-buffered; Attention / TensorScatter need 10.15; ONNX Runtime's contrib ops build nowhere)
     pre = check(export_dir / sc.onnx_file, ".".join(map(str, path.version)))
     if not pre.buildable:
         raise KvedgeError("kvedge check found blocking issues:\n" + "\n".join(f"  - {f.message}" for f in pre.findings))

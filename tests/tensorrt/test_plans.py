@@ -120,6 +120,20 @@ def test_check_cli_exit_codes(exported, capsys):
     assert main(["check", str(out / "model.onnx"), "--trt-version", "10.3"]) == 1
     assert "NOT buildable" in capsys.readouterr().out
     assert main(["check", str(out / "model.onnx"), "--trt-version", "10.15"]) == 0
+    assert "TensorRT 10.15: buildable (KV cache in place)" in capsys.readouterr().out
+
+
+def test_a_decomposed_graph_on_10_15_and_later_is_buildable_and_double_buffered(exported, capsys):
+    """A decomposed graph is standard ops (ScatterElements writes a whole new present), so 10.15+ builds it as it
+    builds it on 10.3; TensorRT's in-place update is IKVCacheUpdateLayer, which only TensorScatter maps to (onnx-
+    tensorrt docs/operators.md, 10.15), so its caches stay two buffers. `check`, the plan and `kvedge build` (whose
+    one gate is check) agree: check once said "in place" for it, and build refused what check passed."""
+    out, sc = exported("llama-gqa4-llama3rope", "decomposed")
+    for version in ("10.16", "11.0"):
+        assert main(["check", str(out / "model.onnx"), "--trt-version", version]) == 0
+        assert f"TensorRT {version}: buildable (KV cache double-buffered)" in capsys.readouterr().out
+        assert {b.role for b in buffer_plan(sc, select_path(version)) if b.role.startswith("cache")} == \
+            {"cache-double"}
 
 
 def test_version_gating():

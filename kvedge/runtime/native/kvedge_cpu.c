@@ -45,21 +45,41 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 #endif
-/* The vector paths take AVX2 with FMA and F16C (every AVX2 CPU has both; -march=native turns them on) */
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+/* The vector paths: x86's take AVX2 with FMA and F16C (every AVX2 CPU has both; -march=native turns them on),
+ * aarch64's NEON (kernels_neon.h), with the dot product (ARMv8.2 +dotprod) and int8 matrix multiply (+i8mm)
+ * where the build targets them. -DKV_NO_SIMD builds the portable C path on any CPU (the tests' reference). */
+#if !defined(KV_NO_SIMD) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define KV_AVX2 1
 #include <immintrin.h>
 #else
 #define KV_AVX2 0
 #endif
+#if !defined(KV_NO_SIMD) && defined(__aarch64__) && defined(__ARM_NEON)
+#define KV_NEON 1
+#else
+#define KV_NEON 0
+#endif
+#if KV_NEON && defined(__ARM_FEATURE_DOTPROD)
+#define KV_DOTPROD 1
+#else
+#define KV_DOTPROD 0
+#endif
+#if KV_NEON && defined(__ARM_FEATURE_MATMUL_INT8)
+#define KV_I8MM 1
+#else
+#define KV_I8MM 0
+#endif
 
-/* Which kernels this build runs: 0 portable C, 1 AVX2 (without VNNI: maddubs), 2 AVX-VNNI,
- * 3 AVX512-VNNI (dot_u8s8 picks the same way) */
+/* Which kernels this build runs (the Python side's KERNELS names them): 0 portable C, 1 AVX2 (without VNNI:
+ * maddubs), 2 AVX-VNNI, 3 AVX512-VNNI (dot_u8s8 picks the same way), 4 NEON, 5 NEON with the dot product,
+ * 6 NEON with the dot product and i8mm */
 int kv_simd(void) {
 #if KV_AVX2 && defined(__AVX512VNNI__) && defined(__AVX512VL__)
     return 3;
 #elif KV_AVX2 && defined(__AVXVNNI__)
     return 2;
+#elif KV_NEON
+    return 4 + KV_DOTPROD + (KV_DOTPROD && KV_I8MM);
 #else
     return KV_AVX2;
 #endif
@@ -212,6 +232,10 @@ int kv_pack_mins(kv_linear *l, const uint16_t *mins, int group) {
 static float half_to_float(uint16_t h) {
 #if KV_AVX2
     return _cvtsh_ss(h);
+#elif KV_NEON
+    __fp16 f;
+    memcpy(&f, &h, sizeof f);
+    return (float)f;
 #else
     uint32_t sign = (uint32_t)(h >> 15) << 31, e = (h >> 10) & 31, m = h & 1023, bits;
     if (e == 31)
@@ -524,6 +548,13 @@ int kv_pack_affine32(kv_linear *l, const float *scales, const float *mins, int g
     return 0;
 }
 
+#define ROWS 4 /* 8-bit weight rows a kernel call computes together (sharing activation loads and the final sums) */
+#define TILE_RM 4 /* activation rows a 4-bit tile kernel call computes: each unpacked weight vector serves them all */
+
+#if KV_NEON
+#include "kernels_neon.h"
+#endif
+
 /* One row of activations quantized for the kernels: xq [k] in kernel byte order (place_sub_block), and sa and
  * c = sa * sum(xq) [sub_stride(k)] per sub-block at act_slot, zero-padded. */
 static void quantize_row(const float *x, int k, int bits, int8_t *xq, float *sa, float *c) {
@@ -554,6 +585,8 @@ static void quantize_row(const float *x, int k, int bits, int8_t *xq, float *sa,
         /* to bytes: the packs leave each lane's dwords as [q0 q1 q2 q3] quarters; put them back in order */
         __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(q0, q1), _mm256_packs_epi32(q2, q3));
         _mm256_storeu_si256((__m256i *)qv, _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+#elif KV_NEON
+        float d = quantize_sub_block(v, qv, &sum);
 #else
         float amax = 0.f;
         for (int i = 0; i < SB; i++) {
@@ -601,9 +634,6 @@ static void quantize_row16(const float *x, int k, int bits, int8_t *xq, float *s
         place_sub_block(lo, sb, nsb, bits, xq_lo);
     }
 }
-
-#define ROWS 4 /* 8-bit weight rows a kernel call computes together (sharing activation loads and the final sums) */
-#define TILE_RM 4 /* activation rows a 4-bit tile kernel call computes: each unpacked weight vector serves them all */
 
 #if KV_AVX2
 /* Without VNNI, 8-bit weights u are multiplied as the signed bytes u - 128: maddubs of |u - 128| and of s with
@@ -907,6 +937,7 @@ static void qtile(const kv_linear *l, int rm, int n0, const int8_t *const *xq, c
 }
 #undef QDOT_ROWS_OF
 #undef QTILE_OF
+#elif KV_NEON /* kernels_neon.h */
 #else /* portable C: the same arithmetic, one channel at a time */
 /* row n of a quantized linear . one activation row (quantize_row's layout for the linear's width) */
 static float qdot_one(const kv_linear *l, int n, const int8_t *xq, const float *sa, const float *c) {
