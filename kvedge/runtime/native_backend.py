@@ -39,7 +39,8 @@ from kvedge.runtime.backend import CacheList, check_rows, int64_inputs
 SOURCE = Path(__file__).with_name("native") / "kvedge_cpu.c"
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 _ACTS = {"silu": 0, "gelu": 1, "gelu_tanh": 2}
-KERNELS = {0: "portable C", 1: "AVX2", 2: "AVX-VNNI", 3: "AVX512-VNNI"}  # kv_simd()
+KERNELS = {0: "portable C", 1: "AVX2", 2: "AVX-VNNI", 3: "AVX512-VNNI", 4: "NEON", 5: "NEON dotprod",
+           6: "NEON dotprod i8mm"}  # kv_simd()
 ACTIVATIONS = {"int8": 1, "int16": 2}  # a quantized projection's input: int8, or int16 as two int8 planes
 
 
@@ -118,6 +119,11 @@ def c_compiler() -> str | None:
     return shutil.which(want) if want else (shutil.which("cc") or shutil.which("gcc"))
 
 
+def engine_sources() -> list[Path]:
+    """Every file the engine is built from (kvedge_cpu.c and the headers it includes): the compile cache's key."""
+    return [SOURCE, *sorted(SOURCE.parent.glob("*.h"))]
+
+
 def compile_engine(flags: tuple[str, ...] = FLAGS, cache_dir: str | Path | None = None) -> ctypes.CDLL:
     """Compile kvedge_cpu.c (once per source, compiler and flags; cached) and load it."""
     want, cc = os.environ.get("CC"), c_compiler()
@@ -125,7 +131,7 @@ def compile_engine(flags: tuple[str, ...] = FLAGS, cache_dir: str | Path | None 
         raise MissingDependencyError(f"the native backend compiles its C engine at first use and needs a C compiler "
                                      f"with OpenMP ({f'CC={want} is not found' if want else 'no cc or gcc on PATH'}): "
                                      f"e.g. apt install gcc, or set CC")
-    src = SOURCE.read_bytes()
+    src = b"".join(f.read_bytes() for f in engine_sources())
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
     key = hashlib.sha256(src + " ".join((cc, version, _cpu(), *flags)).encode()).hexdigest()[:16]
     root = Path(cache_dir or os.environ.get("KVEDGE_CACHE") or Path.home() / ".cache" / "kvedge") / "native"
