@@ -18,7 +18,7 @@ import torch
 
 from kvedge.errors import KvedgeError
 
-SIMD, LINEAR, FORWARD, LAYOUT = 0, 1, 2, 3  # the driver's call kinds
+SIMD, LINEAR, FORWARD, LAYOUT, HELPERS = 0, 1, 2, 3, 4  # the driver's call kinds
 
 
 def _pointer_offsets(ctype, base: int = 0):

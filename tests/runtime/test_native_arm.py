@@ -7,9 +7,12 @@ the x86 engine's own packed structs (kvedge.runtime.native_dump): every weight f
 kvedge's quantizer and from GGUF files. The reference is the portable C build (-DKV_NO_SIMD), on x86 through
 ctypes and on aarch64 under qemu. Every build contracts no multiply-add (-ffp-contract=off), so the kernels'
 integer sums and float epilogues must give the portable build's outputs bit for bit: a wrong lane, a dropped
-tail or a sign shows as a mismatch, not as a tolerance to argue about. Whole models go through libm (expf),
-whose x86 and aarch64 builds may differ in the last bit: there the aarch64 portable build is the exact reference
-and x86's is held to 1e-5 of the largest logit.
+tail or a sign shows as a mismatch, not as a tolerance to argue about. The float helpers are another matter:
+NEON's e^x (softmax, SiLU) is the AVX2 path's polynomial, not libm's expf, so they are held to float64's values
+within its stated error, and whole models to the emulated portable build's logits within 1e-3 of the largest
+(x86's portable build too: its libm is not aarch64's): the engine's rounding steps (int8 activations, a float16
+or int8 cache) turn a last-bit difference into a step of their grid now and then, as they do between any two
+builds; a kernel's wrong lane or sign moves logits by their own size.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import pytest
 import torch
 
 from kvedge.runtime.native_backend import NativeBackend, _Keep, compile_engine, pack_linear
-from kvedge.runtime.native_dump import FORWARD, LAYOUT, LINEAR, SIMD, Dump, dump_backend, parse_layout
+from kvedge.runtime.native_dump import FORWARD, HELPERS, LAYOUT, LINEAR, SIMD, Dump, dump_backend, parse_layout
 from tests.gguf_files import save_hf_checkpoint, write_gguf
 from tests.runtime.test_native import affine_linear, quant_linear
 
@@ -142,6 +145,30 @@ def test_every_linear_format_equals_the_portable_build_bit_for_bit(drivers, x86,
             pytest.fail(f"{build}: {len(bad)} of {len(want)} calls differ from x86's portable build: {bad[:6]}")
 
 
+def test_the_float_helpers_are_within_their_error_of_float64(drivers, tmp_path):
+    """softmax_exp over an odd count (the vector loop and its tail) and SiLU, 8 at a time as the MLP calls it: e^x
+    within 3e-7 + 1.2e-7 |x| relative (the polynomial's 2e-7; float32's rounding of x - max and of x log2(e),
+    half an ulp each, moves e^x by that much relative) for x > -86, below within 2e-38 (the polynomial clamps x at
+    -87: e^-87 is 1.6e-38), their sum within 1e-6; SiLU likewise (x = -|v|), below within 1e-34 (v e^-87)."""
+    x = torch.cat([torch.linspace(-100, 30, 61), torch.tensor([0.0, -0.0, 87.5]), torch.randn(64) * 8])
+    d = Dump()
+    d.call(HELPERS, d.tensor(x), x.numel())
+    v = x.double().numpy()
+    e = np.exp(v[:-1] - v[:-1].max())
+    silu = v / (1 + np.exp(-v))
+    for build in BUILDS:
+        got = np.frombuffer(run(drivers, build, d, tmp_path), np.float32).astype(np.float64)
+        n = x.numel()
+        big = v[:-1] - v[:-1].max() > -86
+        rel = np.abs(got[:n - 1] / e - 1) / (3e-7 + 1.2e-7 * np.abs(v[:-1] - v[:-1].max()))
+        assert (rel[big] <= 1).all(), (build, rel[big].max())
+        assert np.allclose(got[:n - 1][~big], e[~big], rtol=0, atol=2e-38), (build, np.abs(got[:n - 1] - e)[~big].max())
+        assert abs(got[n - 1] / e.sum() - 1) < 1e-6, build
+        rel = np.abs(got[n:] - silu) / ((3e-7 + 1.2e-7 * np.abs(v)) * np.abs(silu) + 1e-45)  # silu(0) = 0
+        assert (rel[v > -86] <= 1).all(), (build, rel[v > -86].max())
+        assert np.allclose(got[n:][v <= -86], silu[v <= -86], rtol=0, atol=1e-34), build
+
+
 LLAMA_256 = dict(hidden_size=256, intermediate_size=512, num_key_value_heads=2, head_dim=32)
 Q4_K_M = {"attn_v.weight": "Q6_K", "ffn_down.weight": "Q6_K", "output.weight": "Q6_K"}
 PROMPT, STEPS = 9, 3
@@ -165,8 +192,8 @@ MODELS = {  # name -> NativeBackend keyword arguments (model_dir filled in)
 
 @pytest.mark.parametrize("model", list(MODELS))
 def test_a_whole_models_logits_equal_the_portable_build(model, drivers, hf_dir, tmp_path):
-    """Prefill 2 rows of 9 tokens, then 3 decode steps, through the engine's own forward: the NEON builds equal the
-    emulated portable build bit for bit, and x86's portable build within 1e-5 of the largest logit."""
+    """Prefill 2 rows of 9 tokens, then 3 decode steps, through the engine's own forward: the NEON builds and x86's
+    portable build equal the emulated portable build within 1e-3 of the largest logit (see the module doc)."""
     kw = dict(MODELS[model])
     if "gguf" in kw:
         qtype, types = kw.pop("gguf")
@@ -192,8 +219,8 @@ def test_a_whole_models_logits_equal_the_portable_build(model, drivers, hf_dir, 
                            timeout=600)
         assert r.returncode == 0, r.stderr.decode()[-2000:]
         out[build] = torch.from_numpy(np.frombuffer(r.stdout, np.float32).copy())
-    assert out["portable"].shape == x86.shape
-    assert (out["portable"] - x86).abs().max() <= 1e-5 * x86.abs().max(), "aarch64 portable vs x86 portable"
-    for build in NEON:
-        assert torch.equal(out[build].view(torch.int32), out["portable"].view(torch.int32)), \
-            f"{build}: max difference {float((out[build] - out['portable']).abs().max()):.3g}"
+    ref = out["portable"]
+    assert ref.shape == x86.shape
+    for build, got in [("x86 portable", x86)] + [(b, out[b]) for b in NEON]:
+        diff = float((got - ref).abs().max() / ref.abs().max())
+        assert diff <= 1e-3, f"{build}: {diff:.3g} of the largest logit from the emulated portable build"

@@ -159,3 +159,23 @@ static inline float quantize_sub_block(const float *v, int8_t *qv, int *sum) {
     *sum = vaddvq_s32(s);
     return amax / 127.f;
 }
+
+/* e^x for x <= 0 (softmax after subtracting the max; SiLU's e^-|v|), lane for lane the AVX2 path's exp_neg:
+ * 2^n * 2^f, f in [-0.5, 0.5], 2^f by its degree-6 Taylor polynomial (relative error < 2e-7); x is clamped at -87
+ * (e^-87 is 1.6e-38, float32's smallest normal) */
+static inline float32x4_t exp_neg4(float32x4_t x) {
+    x = vmaxq_f32(x, vdupq_n_f32(-87.f));
+    float32x4_t t = vmulq_n_f32(x, 1.44269504088896341f), n = vrndnq_f32(t);
+    float32x4_t f = vmulq_n_f32(vsubq_f32(t, n), 0.69314718055994531f); /* f ln2 */
+    float32x4_t p = vdupq_n_f32(1.f / 720.f);
+    static const float c[6] = {1.f / 120.f, 1.f / 24.f, 1.f / 6.f, 0.5f, 1.f, 1.f};
+    for (int i = 0; i < 6; i++) p = vfmaq_f32(vdupq_n_f32(c[i]), p, f);
+    int32x4_t e = vshlq_n_s32(vaddq_s32(vcvtnq_s32_f32(n), vdupq_n_s32(127)), 23);
+    return vmulq_f32(p, vreinterpretq_f32_s32(e));
+}
+
+/* v * sigmoid(v) for 4 values: sigmoid(v) = 1 / (1 + e) for v >= 0 and e / (1 + e) below, e = e^-|v| */
+static inline float32x4_t silu4(float32x4_t v) {
+    float32x4_t one = vdupq_n_f32(1.f), e = exp_neg4(vnegq_f32(vabsq_f32(v)));
+    return vmulq_f32(v, vdivq_f32(vbslq_f32(vcltzq_f32(v), e, one), vaddq_f32(one, e)));
+}

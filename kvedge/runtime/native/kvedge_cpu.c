@@ -1328,7 +1328,7 @@ static void rope(float *x, const float *cs, const float *sn, int half) {
 
 #if KV_AVX2
 /* e^x for x <= 0 (softmax after subtracting the max): 2^(x log2 e) split into 2^n * 2^f, f in [-0.5, 0.5],
- * 2^f by its degree-6 Taylor polynomial (relative error < 2e-7); below -87 it is 0. */
+ * 2^f by its degree-6 Taylor polynomial (relative error < 2e-7); x is clamped at -87 (e^-87 is 1.6e-38). */
 static inline __m256 exp_neg(__m256 x) {
     x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
     __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f));
@@ -1358,12 +1358,20 @@ static float softmax_exp(float *s, int n, float mx) {
         acc = _mm256_add_ps(acc, e);
     }
     sum = hsum_f32(acc);
+#elif KV_NEON
+    float32x4_t acc = vdupq_n_f32(0.f), m = vdupq_n_f32(mx);
+    for (; i + 4 <= n; i += 4) {
+        float32x4_t e = exp_neg4(vsubq_f32(vld1q_f32(s + i), m));
+        vst1q_f32(s + i, e);
+        acc = vaddq_f32(acc, e);
+    }
+    sum = vaddvq_f32(acc);
 #endif
     for (; i < n; i++) sum += (s[i] = expf(s[i] - mx));
     return sum;
 }
 
-/* a[i] = act(u[i]) (* u[I + i] for a GLU) for i in [i0, i1); SiLU 8 at a time on AVX2:
+/* a[i] = act(u[i]) (* u[I + i] for a GLU) for i in [i0, i1); SiLU 8 at a time on AVX2 (and NEON: silu4):
  * v * sigmoid(v), sigmoid(v) = 1 / (1 + e) for v >= 0 and e / (1 + e) below, e = exp(-|v|) */
 static void act_chunk(const kv_model *m, const float *u, float *a, int i0, int i1) {
     int I = m->inter, i = i0;
@@ -1375,6 +1383,14 @@ static void act_chunk(const kv_model *m, const float *u, float *a, int i0, int i
         __m256 y = _mm256_mul_ps(v, sig);
         if (m->glu) y = _mm256_mul_ps(y, _mm256_loadu_ps(u + I + i0));
         _mm256_storeu_ps(a + i0, y);
+        return;
+    }
+#elif KV_NEON
+    if (m->act == ACT_SILU && i1 - i0 == 8) {
+        for (int h = i0; h < i1; h += 4) {
+            float32x4_t y = silu4(vld1q_f32(u + h));
+            vst1q_f32(a + h, m->glu ? vmulq_f32(y, vld1q_f32(u + I + h)) : y);
+        }
         return;
     }
 #endif

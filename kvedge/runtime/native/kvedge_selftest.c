@@ -12,6 +12,8 @@
  *   1 kv_linear_forward: linear, m, x, threads                         -> float32 [m][n]
  *   2 kv_forward:        model, B, L, ids, positions, logit_index, K, threads -> float32 [B][K][vocab]
  *   3 kv_layout:         -> per struct and field: u32 name bytes, the name, u64 offset, u64 size; then u32 0
+ *   4 the float helpers: x, n (a multiple of 8) -> float32: softmax_exp of x[0..n-1) (e^(x - max), then their
+ *                        sum), then SiLU of x[0..n) (act_chunk, 8 at a time)
  * Exits 1 with a one-line reason on a malformed file. */
 #include "kvedge_cpu.c"
 
@@ -95,6 +97,21 @@ int main(int argc, char **argv) {
             }
             uint32_t end = 0;
             fwrite(&end, 4, 1, stdout);
+        } else if (kind == 4) {
+            uint32_t x = (uint32_t)rd(4), n = (uint32_t)rd(4);
+            need(x < nr && n % 8 == 0 && n >= 8 && size[x] >= (uint64_t)n * sizeof(float), "a helpers call's input is short");
+            const float *v = (const float *)region[x];
+            float *e = malloc(sizeof(float) * n), mx = -INFINITY;
+            need(e != NULL, "out of memory");
+            for (uint32_t i = 0; i + 1 < n; i++) e[i] = v[i], mx = v[i] > mx ? v[i] : mx;
+            e[n - 1] = softmax_exp(e, (int)n - 1, mx); /* an odd count: the vector loop's tail too */
+            fwrite(e, sizeof(float), n, stdout);
+            kv_model silu;
+            memset(&silu, 0, sizeof silu);
+            silu.act = ACT_SILU, silu.inter = (int)n;
+            for (uint32_t i = 0; i < n; i += 8) act_chunk(&silu, v, e, (int)i, (int)i + 8);
+            fwrite(e, sizeof(float), n, stdout);
+            free(e);
         } else {
             need(0, "an unknown call kind");
         }
