@@ -53,9 +53,10 @@ def facts() -> dict:
     f["jetson"] = detect().to_dict()
     f["c_compiler"] = None  # the native backend compiles its C engine with it at first use (it needs torch)
     if f["torch"]:
-        from kvedge.runtime.native_backend import c_compiler
+        from kvedge.runtime.native_backend import KERNELS, c_compiler, expected_kernels
 
         f["c_compiler"] = c_compiler()
+        f["native_kernels"] = KERNELS[expected_kernels()]  # what -march=native builds, from the CPU's features
     return f
 
 
@@ -86,7 +87,7 @@ def features(f: dict) -> list[dict]:
 def table(f: dict) -> str:
     lines = ["environment:"]
     for k in ("kvedge", "python", "platform", "torch", "cuda_available", "onnx", "onnxruntime", "tensorrt", "pycuda",
-              "cuda_python", "triton", "tokenizers", "jinja2", "matplotlib", "c_compiler"):
+              "cuda_python", "triton", "tokenizers", "jinja2", "matplotlib", "c_compiler", "native_kernels"):
         v = f.get(k)
         lines.append(f"  {k:<22} {'not installed' if v is None else v}")
     lines.append(f"  {'onnxruntime providers':<22} {', '.join(f['onnxruntime_providers']) or 'none'}")

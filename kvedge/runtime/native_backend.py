@@ -113,6 +113,36 @@ def _cpu() -> str:
     return "".join(sorted({ln for ln in lines if ln.startswith(("model name", "flags", "Features", "CPU part"))}))
 
 
+def cpu_features() -> set[str]:
+    """The CPU's feature names as /proc/cpuinfo lists them (x86 `flags`, aarch64 `Features`); empty elsewhere."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return set()
+    return {f for ln in lines if ln.startswith(("flags", "Features")) for f in ln.split(":", 1)[1].split()}
+
+
+def expected_kernels(features: set[str] | None = None, machine: str | None = None) -> int:
+    """The kernels (kv_simd's number, KERNELS) a -march=native build runs on a CPU with these features: x86's
+    AVX2 + FMA + F16C, then AVX-VNNI or AVX512-VNNI; aarch64's NEON, then the dot product (`asimddp`: Cortex-A76,
+    A78AE) and i8mm (the Linux hwcap names, arch/arm64/kernel/cpuinfo.c)."""
+    f = cpu_features() if features is None else features
+    machine = machine or platform.machine()
+    if machine in ("aarch64", "arm64"):
+        return 4 + ("asimddp" in f) + ("asimddp" in f and "i8mm" in f)
+    if not {"avx2", "fma", "f16c"} <= f:
+        return 0
+    return 3 if {"avx512_vnni", "avx512vl"} <= f else 2 if "avx_vnni" in f else 1
+
+
+def arm_march(features: set[str]) -> str:
+    """-march for an aarch64 CPU with these features where -march=native is not taken (an older compiler, a cross
+    build): ARMv8.2's dot product and i8mm where the CPU has them, else plain ARMv8 (NEON is part of it)."""
+    if "asimddp" not in features:
+        return "-march=armv8-a"
+    return "-march=armv8.2-a+dotprod" + ("+i8mm" if "i8mm" in features else "")
+
+
 def c_compiler() -> str | None:
     """The compiler the engine is built with: $CC when set (and found), else cc or gcc on PATH."""
     want = os.environ.get("CC")
@@ -141,6 +171,10 @@ def compile_engine(flags: tuple[str, ...] = FLAGS, cache_dir: str | Path | None 
         tmp = lib.with_suffix(f".{os.getpid()}.tmp")
         print(f"kvedge: compiling the native engine ({cc} {' '.join(flags)})", file=sys.stderr)
         r = subprocess.run([cc, *flags, "-o", str(tmp), str(SOURCE), "-lm"], capture_output=True, text=True)
+        if r.returncode and "-march=native" in flags and platform.machine() in ("aarch64", "arm64"):
+            flags = tuple(arm_march(cpu_features()) if f == "-march=native" else f for f in flags)
+            print(f"kvedge: {cc} does not build -march=native here; building with {' '.join(flags)}", file=sys.stderr)
+            r = subprocess.run([cc, *flags, "-o", str(tmp), str(SOURCE), "-lm"], capture_output=True, text=True)
         if r.returncode:
             raise KvedgeError(f"compiling {SOURCE.name} failed ({cc} {' '.join(flags)}):\n{r.stderr[-2000:]}")
         tmp.replace(lib)  # atomic: concurrent first uses each compile, one file wins

@@ -74,6 +74,29 @@ def test_each_build_runs_the_kernels_it_is_meant_to(engine, request):
     assert engine.kv_simd() == (0 if not vector else vnni if build == "native" else 1)  # a build that lost VNNI fails
 
 
+def test_the_kernels_a_cpu_gets_follow_its_features():
+    """-march=native's kernels from /proc/cpuinfo's feature names, and the -march an aarch64 CPU is built with where
+    native is not taken; the emulated builds (test_native_arm.py) check each against kv_simd() under qemu."""
+    from kvedge.runtime.native_backend import arm_march, expected_kernels
+
+    x86 = {"avx2", "fma", "f16c"}
+    assert [expected_kernels(f, "x86_64") for f in (set(), {"avx2", "fma"}, x86, x86 | {"avx_vnni"},
+                                                    x86 | {"avx512_vnni", "avx512vl", "avx_vnni"})] == [0, 0, 1, 2, 3]
+    arm = [{"fp", "asimd"}, {"fp", "asimd", "asimddp"}, {"fp", "asimd", "asimddp", "i8mm"}]
+    assert [expected_kernels(f, "aarch64") for f in arm] == [4, 5, 6]
+    assert [arm_march(f) for f in arm] == ["-march=armv8-a", "-march=armv8.2-a+dotprod",
+                                           "-march=armv8.2-a+dotprod+i8mm"]
+
+
+def test_the_kernels_this_cpu_gets_are_the_native_builds(engine, request):
+    """kvedge doctor's prediction (the CPU's features) against what the compiler's macros gave the native build."""
+    from kvedge.runtime.native_backend import expected_kernels
+
+    if request.node.callspec.params["engine"] != "native":
+        pytest.skip("the prediction is -march=native's")
+    assert engine.kv_simd() == expected_kernels()
+
+
 def quant_linear(w, bits, group, symmetric):
     lin = torch.nn.Linear(w.shape[1], w.shape[0], bias=False)
     lin.weight.data = w

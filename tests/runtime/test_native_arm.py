@@ -27,23 +27,28 @@ import numpy as np
 import pytest
 import torch
 
-from kvedge.runtime.native_backend import NativeBackend, _Keep, compile_engine, pack_linear
+from kvedge.runtime.native_backend import NativeBackend, _Keep, arm_march, compile_engine, expected_kernels, pack_linear
 from kvedge.runtime.native_dump import FORWARD, HELPERS, LAYOUT, LINEAR, SIMD, Dump, dump_backend, parse_layout
 from tests.gguf_files import save_hf_checkpoint, write_gguf
 from tests.runtime.test_native import affine_linear, quant_linear
 
-CC, QEMU = shutil.which("aarch64-linux-gnu-gcc"), shutil.which("qemu-aarch64")
+CC, QEMU = shutil.which("aarch64-linux-gnu-gcc"), shutil.which("qemu-aarch64") or shutil.which("qemu-aarch64-static")
 pytestmark = pytest.mark.skipif(CC is None or QEMU is None or shutil.which("gcc") is None,
                                 reason="needs gcc-aarch64-linux-gnu and qemu-user (apt-get install gcc-aarch64-linux-gnu "
                                        "qemu-user)")
 
 DRIVER = Path(__file__).parents[2] / "kvedge" / "runtime" / "native" / "kvedge_selftest.c"
 COMMON = ("-O3", "-fopenmp", "-ffp-contract=off", "-static")
-# build -> (its -march and defines, the qemu CPU it runs on, the kernels kv_simd() must name)
-BUILDS = {"cortex-a72": (("-march=armv8-a",), "cortex-a72", 4),
-          "cortex-a76": (("-march=armv8.2-a+dotprod",), "cortex-a76", 5),
-          "max": (("-march=armv8.6-a",), "max", 6),
-          "portable": (("-march=armv8-a", "-DKV_NO_SIMD"), "cortex-a72", 0)}
+# /proc/cpuinfo's Features of a Raspberry Pi 4 (Cortex-A72), a Pi 5 (Cortex-A76; an Orin's A78AE adds no kernel
+# feature to it) and a CPU with i8mm (Neoverse V2 / V3AE class, abridged): the flags kvedge builds with where
+# -march=native is not taken (arm_march), and the kernels kv_simd() must then name (expected_kernels)
+FEATURES = {"cortex-a72": {"fp", "asimd", "evtstrm", "crc32", "cpuid"},
+            "cortex-a76": {"fp", "asimd", "evtstrm", "aes", "pmull", "sha1", "sha2", "crc32", "atomics", "fphp",
+                           "asimdhp", "cpuid", "asimdrdm", "lrcpc", "dcpop", "asimddp"},
+            "max": {"fp", "asimd", "asimdhp", "asimddp", "sve", "sve2", "i8mm", "bf16"}}
+# build -> (its flags, the qemu CPU it runs on, the kernels kv_simd() must name)
+BUILDS = {cpu: ((arm_march(f),), cpu, expected_kernels(f, "aarch64")) for cpu, f in FEATURES.items()}
+BUILDS["portable"] = (("-march=armv8-a", "-DKV_NO_SIMD"), "cortex-a72", 0)
 NEON = [b for b in BUILDS if b != "portable"]
 X86_PORTABLE = ("-O3", "-fopenmp", "-shared", "-fPIC", "-ffp-contract=off", "-DKV_NO_SIMD")
 

@@ -1,0 +1,329 @@
+/* The x86 AVX2 kernels of kvedge_cpu.c (included there when KV_AVX2): quantize_sub_block, qdot_rows and qtile over
+ * the layouts the file's head describes, with AVX-VNNI or AVX512-VNNI's dot products where the build has them. */
+
+/* quantize_row's sub-block: qv = v * 127 / max|v| rounded (cvtps rounds half to even, as nearbyintf does by
+ * default), its sum; returns the scale max|v| / 127 */
+static inline float quantize_sub_block(const float *v, int8_t *qv, int *sum) {
+    __m256 v0 = _mm256_loadu_ps(v), v1 = _mm256_loadu_ps(v + 8), v2 = _mm256_loadu_ps(v + 16),
+           v3 = _mm256_loadu_ps(v + 24), sign = _mm256_set1_ps(-0.f);
+    __m256 mx = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v0), _mm256_andnot_ps(sign, v1)),
+                              _mm256_max_ps(_mm256_andnot_ps(sign, v2), _mm256_andnot_ps(sign, v3)));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
+    float amax = _mm_cvtss_f32(m4);
+    float d = amax / 127.f, id = amax > 0.f ? 127.f / amax : 0.f;
+    __m256 idv = _mm256_set1_ps(id);
+    __m256i q0 = _mm256_cvtps_epi32(_mm256_mul_ps(v0, idv)), q1 = _mm256_cvtps_epi32(_mm256_mul_ps(v1, idv));
+    __m256i q2 = _mm256_cvtps_epi32(_mm256_mul_ps(v2, idv)), q3 = _mm256_cvtps_epi32(_mm256_mul_ps(v3, idv));
+    __m256i s4 = _mm256_add_epi32(_mm256_add_epi32(q0, q1), _mm256_add_epi32(q2, q3));
+    __m128i s1 = _mm_add_epi32(_mm256_castsi256_si128(s4), _mm256_extracti128_si256(s4, 1));
+    s1 = _mm_hadd_epi32(s1, s1);
+    *sum = _mm_cvtsi128_si32(_mm_hadd_epi32(s1, s1));
+    /* to bytes: the packs leave each lane's dwords as [q0 q1 q2 q3] quarters; put them back in order */
+    __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(q0, q1), _mm256_packs_epi32(q2, q3));
+    _mm256_storeu_si256((__m256i *)qv, _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+    return d;
+}
+
+/* Without VNNI, 8-bit weights u are multiplied as the signed bytes u - 128: maddubs of |u - 128| and of s with
+ * u - 128's sign, whose pair sums stay within int16 (2 * 128 * 127: activations are within [-127, 127]). Widening
+ * both to 16 bits instead was slower at 8 rows (docs/benchmarks.md). The sums are then those of u - 128, so the
+ * kernels take the zero point z - 128 (and an affine linear's min gains 128 scales). */
+#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
+#define KV_VNNI 1 /* dpbusd: u8 x s8 products summed 4 at a time into int32 */
+#else
+#define KV_VNNI 0
+#endif
+#define SIGNED8 (!KV_VNNI)
+
+/* acc + the sums of each 4 adjacent products u * s (u unsigned bytes, s signed bytes; u less 128 under SIGNED8) */
+static inline __m256i dot_u8s8(__m256i acc, __m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(acc, u, s);
+#elif defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(acc, u, s);
+#else
+    __m256i w = _mm256_xor_si256(u, _mm256_set1_epi8((char)0x80)); /* u - 128 (SIGNED8) */
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(s, w)),
+                                                   _mm256_set1_epi16(1)));
+#endif
+}
+
+static inline __m256 load_half8(const uint16_t *h) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)h)); }
+static inline __m256 load_u8x8(const uint8_t *p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+
+static inline float hsum_f32(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_hadd_ps(s, s);
+    s = _mm_hadd_ps(s, s);
+    return _mm_cvtss_f32(s);
+}
+
+/* The integer sums of the `have` (1..8) sub-blocks of a chunk of 8-bit weights, in kv_slot order, for rm
+ * activation rows (a[j] + off): each weight byte is loaded once for all of them. A pair of sub-blocks makes two
+ * weight vectors, A = [sb0 first 16 | sb1 last 16] (a blend) and B = [sb0 last 16 | sb1 first 16] (a swap),
+ * whose lanes 0-3 hold the first sub-block's sums and 4-7 the second's: so one vector of sums covers two
+ * sub-blocks and 3 horizontal adds reduce eight (converting and scaling every sub-block's own 8 lanes instead
+ * was slower). */
+static inline __attribute__((always_inline)) void chunk_sums(const int rm, const uint8_t *q, const int8_t *const *a,
+                                                             size_t off, const int have, __m256i *r) {
+    const __m256i zero = _mm256_setzero_si256();
+    __m256i p[2][4];
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; i++) {
+        int left = have - 2 * i;
+        const uint8_t *qp = q + 64 * i; /* this pair's weight bytes */
+        if (left >= 2) { /* a pair: lanes 0-3 the first sub-block's partial sums, lanes 4-7 the second's */
+            __m256i b0 = _mm256_loadu_si256((const __m256i *)qp), b1 = _mm256_loadu_si256((const __m256i *)(qp + 32));
+            __m256i wa = _mm256_blend_epi32(b0, b1, 0xF0), wb = _mm256_permute2x128_si256(b0, b1, 0x21);
+            for (int j = 0; j < rm; j++) {
+                const int8_t *aa = a[j] + off + 64 * i;
+                p[j][i] = dot_u8s8(dot_u8s8(zero, wa, _mm256_loadu_si256((const __m256i *)aa)), wb,
+                                   _mm256_loadu_si256((const __m256i *)(aa + 32)));
+            }
+        } else if (left == 1) { /* a lone last sub-block (activations [A, B]): lanes 0-3, 4-7 zero */
+            __m256i w = _mm256_loadu_si256((const __m256i *)qp);
+            for (int j = 0; j < rm; j++) {
+                __m256i v = dot_u8s8(zero, w, _mm256_loadu_si256((const __m256i *)(a[j] + off + 64 * i)));
+                p[j][i] = _mm256_zextsi128_si256(_mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1)));
+            }
+        } else {
+            for (int j = 0; j < rm; j++) p[j][i] = zero;
+        }
+    }
+    for (int j = 0; j < rm; j++)
+        r[j] = _mm256_hadd_epi32(_mm256_hadd_epi32(p[j][0], p[j][1]), _mm256_hadd_epi32(p[j][2], p[j][3]));
+}
+
+/* out[j * ROWS + i] = row n0 + i of an 8-bit linear . activation row j, for i < ROWS (rows past the end repeat
+ * the last) and j < rm (1 or 2: a second activation row reuses every weight load). aff (a constant): an affine
+ * linear, whose mins add m * c instead of a zero point's -z * c term; 1 with float16 scales and mins (l->s,
+ * l->mins), 2 with float32 ones (l->s32, l->mins32). */
+static inline __attribute__((always_inline)) void qdot_rows_w(const int aff, const kv_linear *l, const int rm, int n0,
+                                                              const int8_t *const *xq, const float *const *sa,
+                                                              const float *const *c, float *out) {
+    int nsb = l->k / SB, st = sub_stride(l->k);
+    const uint8_t *q[ROWS];
+    const uint16_t *sw[ROWS], *mr[ROWS];
+    const float *sw32[ROWS], *mr32[ROWS];
+    const uint8_t *zr[ROWS];
+    __m256 acc[ROWS][2];
+#pragma GCC unroll 4
+    for (int i = 0; i < ROWS; i++) {
+        size_t row = (size_t)(n0 + i < l->n ? n0 + i : l->n - 1);
+        q[i] = l->q + row * l->k;
+        sw[i] = aff == 2 ? NULL : l->s + row * st;
+        sw32[i] = aff == 2 ? l->s32 + row * st : NULL;
+        zr[i] = aff || l->sym ? NULL : l->z + row * st;
+        mr[i] = aff == 1 ? l->mins + row * st : NULL;
+        mr32[i] = aff == 2 ? l->mins32 + row * st : NULL;
+        acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+    }
+    const float z8 = SIGNED8 ? 128.f : 0.f; /* the sums' offset from u's (dot_u8s8) */
+    const __m256 zs = _mm256_set1_ps(l->zsym - z8), z8v = _mm256_set1_ps(z8);
+    for (int sb = 0; sb < nsb; sb += 8) {
+        __m256 sav[2], cv[2];
+        for (int j = 0; j < rm; j++) sav[j] = _mm256_loadu_ps(sa[j] + sb), cv[j] = _mm256_loadu_ps(c[j] + sb);
+#pragma GCC unroll 4
+        for (int i = 0; i < ROWS; i++) {
+            __m256i r[2];
+            if (sb + 8 <= nsb)
+                chunk_sums(rm, q[i] + sb * SB, xq, (size_t)sb * SB, 8, r);
+            else
+                chunk_sums(rm, q[i] + sb * SB, xq, (size_t)sb * SB, nsb - sb, r);
+            /* aff is a constant: the figures' width is chosen at compile time, not per chunk */
+            __m256 w = aff == 2 ? _mm256_loadu_ps(sw32[i] + sb) : load_half8(sw[i] + sb);
+            if (aff) {
+                __m256 m = aff == 2 ? _mm256_loadu_ps(mr32[i] + sb) : load_half8(mr[i] + sb);
+                if (z8 != 0.f) m = _mm256_fmadd_ps(z8v, w, m);
+                for (int j = 0; j < rm; j++)
+                    acc[i][j] = _mm256_fmadd_ps(m, cv[j], _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(r[j]),
+                                                                                        sav[j]), w, acc[i][j]));
+                continue;
+            }
+            __m256 z = zr[i] ? _mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
+                                                 _mm_loadl_epi64((const __m128i *)(zr[i] + sb)))), z8v)
+                             : zs;
+            for (int j = 0; j < rm; j++) {
+                __m256 t = _mm256_fnmadd_ps(z, cv[j], _mm256_mul_ps(_mm256_cvtepi32_ps(r[j]), sav[j]));
+                acc[i][j] = _mm256_fmadd_ps(t, w, acc[i][j]);
+            }
+        }
+    }
+    for (int j = 0; j < rm; j++) { /* four rows' sums at once: lanes [0 1 2 3] of the two halves of h, added */
+        __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(acc[0][j], acc[1][j]), _mm256_hadd_ps(acc[2][j], acc[3][j]));
+        _mm_storeu_ps(out + j * ROWS, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+    }
+}
+
+/* out[j * TILE + i] = row n0 + i (n0 a multiple of TILE) of a 4-bit linear . activation row j (channel order),
+ * for i < TILE and j < rm (1 to TILE_RM, a constant, as aff: qdot_rows_w's). Per sub-block, each of its 4
+ * vectors gives a low and a high nibble vector, each multiplied by 4 activations broadcast to all lanes, so the
+ * lanes add up to the TILE rows' integer sums: without VNNI, 8 maddubs pairs of at most 2 * 15 * 127 each, added in
+ * int16 (within 8 * 3810), then widened once. */
+static inline __attribute__((always_inline)) void qtile_w(const int aff, const int rm, const kv_linear *l, int n0,
+                                                          const int8_t *const *xq, const float *const *sa,
+                                                          const float *const *c, float *out) {
+    const int nsb = l->k / SB;
+    const size_t f0 = (size_t)(n0 / TILE) * nsb * TILE; /* this tile's figures */
+    const size_t figs = aff == 3 ? kv_figures(l->n, l->k, 4) : 0;
+    const uint8_t *q = l->q + (size_t)n0 * l->k / 2;
+    const __m256i m = _mm256_set1_epi8(0x0F);
+    const __m256 zs = _mm256_set1_ps(l->zsym);
+    __m256 acc[TILE_RM];
+    for (int j = 0; j < rm; j++) acc[j] = _mm256_setzero_ps();
+    for (int sb = 0; sb < nsb; sb++, q += 4 * 32) {
+        __m256i d[TILE_RM];
+        for (int j = 0; j < rm; j++) d[j] = _mm256_setzero_si256();
+        /* two vectors at a time: unrolled by 4, GCC hoisted every vector's loads and unpacking ahead and spilled
+         * registers at 3 and 4 activation rows (by 2, those ran faster; 1 and 2 rows ran alike) */
+#pragma GCC unroll 2
+        for (int v = 0; v < 4; v++) {
+            __m256i b = _mm256_loadu_si256((const __m256i *)(q + 32 * v));
+            __m256i lo = _mm256_and_si256(b, m), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), m);
+            for (int j = 0; j < rm; j++) {
+                int32_t a0, a1; /* activations 8 v .. 8 v + 3 and 8 v + 4 .. 8 v + 7 of the sub-block */
+                memcpy(&a0, xq[j] + sb * SB + 8 * v, 4), memcpy(&a1, xq[j] + sb * SB + 8 * v + 4, 4);
+#if KV_VNNI
+                d[j] = dot_u8s8(dot_u8s8(d[j], lo, _mm256_set1_epi32(a0)), hi, _mm256_set1_epi32(a1));
+#else
+                d[j] = _mm256_add_epi16(_mm256_add_epi16(d[j], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(a0))),
+                                        _mm256_maddubs_epi16(hi, _mm256_set1_epi32(a1)));
+#endif
+            }
+        }
+        const size_t f = f0 + (size_t)sb * TILE;
+        const size_t kf = aff == 3 ? k_fig_at(l, n0, sb) : 0;
+        __m256 w = aff == 3 ? _mm256_mul_ps(_mm256_loadu_ps(l->kd + kf), load_u8x8(l->ksc + f))
+                   : aff == 2 ? _mm256_loadu_ps(l->s32 + f) : load_half8(l->s + f);
+        __m256 mn = aff == 3 ? _mm256_xor_ps(_mm256_mul_ps(_mm256_loadu_ps(l->kd + figs / 8 + kf), load_u8x8(l->ksc + figs + f)),
+                                             _mm256_set1_ps(-0.f)) /* -(dmin * m), as the packer of s32 */
+                    : aff == 2 ? _mm256_loadu_ps(l->mins32 + f) /* the mins, or the zero points */
+                    : aff == 1 ? load_half8(l->mins + f)
+                    : l->sym   ? zs
+                               : _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(l->z + f))));
+        for (int j = 0; j < rm; j++) {
+#if KV_VNNI
+            __m256 x = _mm256_mul_ps(_mm256_cvtepi32_ps(d[j]), _mm256_broadcast_ss(sa[j] + sb));
+#else
+            __m256 x = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(d[j], _mm256_set1_epi16(1))),
+                                     _mm256_broadcast_ss(sa[j] + sb));
+#endif
+            __m256 cj = _mm256_broadcast_ss(c[j] + sb);
+            if (aff) /* w * sa * dot + m * c */
+                acc[j] = _mm256_fmadd_ps(mn, cj, _mm256_fmadd_ps(x, w, acc[j]));
+            else /* w * (sa * dot - z * c) */
+                acc[j] = _mm256_fmadd_ps(_mm256_fnmadd_ps(mn, cj, x), w, acc[j]);
+        }
+    }
+    for (int j = 0; j < rm; j++) _mm256_storeu_ps(out + j * TILE, acc[j]);
+}
+
+/* acc + the sums of each 4 adjacent products w * s of signed bytes, |w| <= 32 (maddubs of |w| and s with w's sign,
+ * pairs within int16) */
+static inline __m256i dot_s8s8(__m256i acc, __m256i w, __m256i s) {
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(s, w)),
+                                                   _mm256_set1_epi16(1)));
+}
+
+/* out[j * ROWS + i] = row n0 + i of a bits-6 linear (GGUF's Q6_K: signed q - 32, a scale per 16 channels, d per
+ * chunk of 8 sub-blocks) . activation row j, for j < rm (1 or 2). As chunk_sums, a pair of sub-blocks makes the
+ * vectors A and B; their sums stay apart (each is one half of each sub-block), are reduced in kv_slot order, and
+ * each half's integer sum is multiplied by its integer scale before anything is converted to float. */
+static inline __attribute__((always_inline)) void q6_rows_w(const kv_linear *l, const int rm, int n0,
+                                                            const int8_t *const *xq, const float *const *sa,
+                                                            float *out) {
+    const int nsb = l->k / SB, st = sub_stride(l->k);
+    const int8_t *q[ROWS], *sc[ROWS];
+    const float *dr[ROWS];
+    __m256 acc[ROWS][2];
+    for (int i = 0; i < ROWS; i++) {
+        size_t row = (size_t)(n0 + i < l->n ? n0 + i : l->n - 1);
+        q[i] = (const int8_t *)l->q + row * l->k, sc[i] = l->sc16 + 2 * row * st, dr[i] = l->d256 + row * (st / 8);
+        acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+    }
+    const __m256i zero = _mm256_setzero_si256();
+    for (int sb = 0; sb < nsb; sb += 8) {
+        __m256 sav[2];
+        for (int j = 0; j < rm; j++) sav[j] = _mm256_loadu_ps(sa[j] + sb);
+#pragma GCC unroll 4
+        for (int i = 0; i < ROWS; i++) {
+            __m256i pa[2][4], pb[2][4];
+            for (int p = 0; p < 4; p++) {
+                const int8_t *qp = q[i] + (size_t)sb * SB + 64 * p;
+                __m256i b0 = _mm256_loadu_si256((const __m256i *)qp), b1 = _mm256_loadu_si256((const __m256i *)(qp + 32));
+                __m256i wa = _mm256_blend_epi32(b0, b1, 0xF0), wb = _mm256_permute2x128_si256(b0, b1, 0x21);
+                for (int j = 0; j < rm; j++) {
+                    const int8_t *aa = xq[j] + (size_t)sb * SB + 64 * p;
+                    pa[j][p] = dot_s8s8(zero, wa, _mm256_loadu_si256((const __m256i *)aa));
+                    pb[j][p] = dot_s8s8(zero, wb, _mm256_loadu_si256((const __m256i *)(aa + 32)));
+                }
+            }
+            const int8_t *s8 = sc[i] + 2 * sb;
+            __m256i sca = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)s8));
+            __m256i scb = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(s8 + 8)));
+            __m256 d = _mm256_set1_ps(dr[i][sb / 8]);
+            for (int j = 0; j < rm; j++) {
+                __m256i ra = _mm256_hadd_epi32(_mm256_hadd_epi32(pa[j][0], pa[j][1]), _mm256_hadd_epi32(pa[j][2], pa[j][3]));
+                __m256i rb = _mm256_hadd_epi32(_mm256_hadd_epi32(pb[j][0], pb[j][1]), _mm256_hadd_epi32(pb[j][2], pb[j][3]));
+                __m256i t = _mm256_add_epi32(_mm256_mullo_epi32(sca, ra), _mm256_mullo_epi32(scb, rb));
+                acc[i][j] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(t), sav[j]), d, acc[i][j]);
+            }
+        }
+    }
+    for (int j = 0; j < rm; j++) {
+        __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(acc[0][j], acc[1][j]), _mm256_hadd_ps(acc[2][j], acc[3][j]));
+        _mm_storeu_ps(out + j * ROWS, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+    }
+}
+
+/* The instances of one kind of zero point (AFF: 0 uint8 or symmetric, 1 affine float16, 2 affine float32, 3 a Q4_K
+ * tile's own figures, d * sc and -(dmin * m) computed per sub-block) */
+#define QDOT_ROWS_OF(AFF)                                                                                         \
+    if (rm == 2)                                                                                                  \
+        qdot_rows_w(AFF, l, 2, n0, xq, sa, c, out);                                                               \
+    else                                                                                                          \
+        qdot_rows_w(AFF, l, 1, n0, xq, sa, c, out);
+#define QTILE_OF(AFF)                                                                                             \
+    switch (rm) {                                                                                                 \
+    case 4: qtile_w(AFF, 4, l, n0, xq, sa, c, out); break;                                                        \
+    case 3: qtile_w(AFF, 3, l, n0, xq, sa, c, out); break;                                                        \
+    case 2: qtile_w(AFF, 2, l, n0, xq, sa, c, out); break;                                                        \
+    default: qtile_w(AFF, 1, l, n0, xq, sa, c, out);                                                              \
+    }
+
+/* an 8-bit linear's rows (ROWS of them from n0) against rm (1 or 2) activation rows */
+static void qdot_rows(const kv_linear *l, int rm, int n0, const int8_t *const *xq, const float *const *sa,
+                      const float *const *c, float *out) {
+    if (l->sc16) {
+        if (rm == 2)
+            q6_rows_w(l, 2, n0, xq, sa, out);
+        else
+            q6_rows_w(l, 1, n0, xq, sa, out);
+    } else if (l->s32) {
+        QDOT_ROWS_OF(2)
+    } else if (l->mins) {
+        QDOT_ROWS_OF(1)
+    } else {
+        QDOT_ROWS_OF(0)
+    }
+}
+
+/* a 4-bit linear's tile at row n0 against rm (1 to TILE_RM) activation rows */
+static void qtile(const kv_linear *l, int rm, int n0, const int8_t *const *xq, const float *const *sa,
+                  const float *const *c, float *out) {
+    if (l->ksc) {
+        QTILE_OF(3)
+    } else if (l->s32) {
+        QTILE_OF(2)
+    } else if (l->mins) {
+        QTILE_OF(1)
+    } else {
+        QTILE_OF(0)
+    }
+}
+#undef QDOT_ROWS_OF
+#undef QTILE_OF
