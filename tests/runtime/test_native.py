@@ -74,6 +74,21 @@ def test_each_build_runs_the_kernels_it_is_meant_to(engine, request):
     assert engine.kv_simd() == (0 if not vector else vnni if build == "native" else 1)  # a build that lost VNNI fails
 
 
+def test_the_compile_cache_key_covers_every_file_the_engine_includes():
+    """A header the key missed would hand an edited engine the cached build of the old one."""
+    import re
+
+    from kvedge.runtime.native_backend import SOURCE, engine_sources
+
+    included, todo = {SOURCE}, [SOURCE]
+    while todo:
+        for name in re.findall(r'^#include "([^"]+)"', todo.pop().read_text(), re.M):
+            f = SOURCE.parent / name
+            if f not in included:
+                included.add(f), todo.append(f)
+    assert included <= set(engine_sources()) and len(included) >= 4  # kvedge_cpu.c and the three kernel files
+
+
 def test_the_kernels_a_cpu_gets_follow_its_features():
     """-march=native's kernels from /proc/cpuinfo's feature names, and the -march an aarch64 CPU is built with where
     native is not taken; the emulated builds (test_native_arm.py) check each against kv_simd() under qemu."""
