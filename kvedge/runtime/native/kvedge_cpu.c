@@ -1259,197 +1259,266 @@ size_t kv_scratch_bytes(const kv_model *m, int B, int L, int threads) {
  * each row's k, v into the caches, and the logits of positions logit_index[b][0..K-1] of each row (K <= L:
  * generation asks 1, kvedge eval every position of its chunk) to logits [B][K][vocab].
  * scratch: kv_scratch_bytes(m, B, L, threads) bytes. */
+/* One thread's view of a kv_forward call: the phases below run inside its parallel region, each ending at the
+ * team's barrier where its output is another thread's input. */
+typedef struct {
+    const kv_model *m;
+    int B, L, M, rep, tid, r0, r1, qkv_n, up_n; /* rep: every thread computes all M rows itself (M <= 4) */
+    const int64_t *pos;
+    float *xs, *hs;                              /* the residual stream and the normed rows: this thread's or shared */
+    float *t, *t2, *a, *part, *sc;               /* projections' outputs, attention's, slices' shares, scores */
+    int8_t *qs8;                                 /* the projections' quantized inputs, their scales and sums */
+    float *sas, *cs;
+    kv_deq dq;                                   /* an int8 / float16 cache's rows as float32 */
+} kv_step;
+
+/* attention's work items: prefill, blocks of QB consecutive queries of one head; decode (L = 1), the query heads
+ * of one KV head in groups of QB, so each K/V row is read once for them; decode splits an item into `parts`
+ * slices (unit u: item u / parts, slice u % parts) so that the units split evenly between the threads */
+typedef struct {
+    int per, heads, items, parts;
+} kv_items;
+
+static kv_items attention_items(const kv_step *s, int li) {
+    const kv_model *m = s->m;
+    int g = m->hq / m->hkv, L = s->L;
+    kv_items w = {L > 1 ? (L + QB - 1) / QB : (g + QB - 1) / QB, L > 1 ? m->hq : m->hkv, 0, 1};
+    w.items = s->B * w.heads * w.per;
+    if (L == 1) w.parts = decode_slices(m, li, s->B, s->pos, omp_get_num_threads());
+    return w;
+}
+
+/* decode: the cache rows this thread's attention units will read (unit u: thread u % nt), fetched during qkv */
+static void plan_cache_fetch(const kv_step *s, const kv_layer *ly, kv_items w, kv_fetch *more) {
+    const kv_model *m = s->m;
+    int nt = omp_get_num_threads(), d = m->d;
+    size_t esize = ly->k_scale ? 1 : m->kv_half ? 2 : sizeof(float); /* a cache element's bytes */
+    for (int u = s->tid; u < w.items * w.parts; u += nt) {
+        int it = u / w.parts, b = it / (w.heads * w.per), kh = it / w.per % w.heads, p = (int)s->pos[b], lo, hi;
+        slice(first_slot(p, ly->window), p, u % w.parts, w.parts, &lo, &hi);
+        hi = hi < p - 1 ? hi : p - 1; /* slot p is written this step */
+        if (hi < lo) continue;
+        size_t at = esize * (((size_t)b * m->hkv + kh) * m->max_seq + lo) * d, bytes = esize * (size_t)(hi - lo + 1) * d;
+        const char *kp = (const char *)ly->k_cache + at, *vp = (const char *)ly->v_cache + at;
+        if (more->count && more->p[more->count - 2] == kp) continue; /* a KV head's next block of queries */
+        fetch_add(more, kp, bytes), fetch_add(more, vp, bytes);
+    }
+}
+
+/* q/k norms, rotation and the cache write of the new k, v rows: one (row, head) at a time */
+static void qk_rotate_and_store(const kv_step *s, const kv_layer *ly) {
+    const kv_model *m = s->m;
+    int hq = m->hq, hkv = m->hkv, d = m->d, qkv_n = s->qkv_n;
+    float *t = s->t;
+    if (m->qk_norm_all) { /* q/k norms over all heads of a row's projection at once */
+#pragma omp for schedule(static) nowait
+        for (int r = 0; r < s->M; r++) {
+            float *v = t + (size_t)r * qkv_n;
+            rmsnorm(v, ly->q_norm, hq * d, m->eps, m->unit_offset, v);
+            rmsnorm(v + (size_t)hq * d, ly->k_norm, hkv * d, m->eps, m->unit_offset, v + (size_t)hq * d);
+        }
+        sync_team();
+    }
+#pragma omp for schedule(static) collapse(2) nowait
+    for (int r = 0; r < s->M; r++)
+        for (int hh = 0; hh < hq + hkv; hh++) {
+            int b = r / s->L;
+            int64_t p = s->pos[r];
+            float *v = t + (size_t)r * qkv_n + (size_t)hh * d;
+            const float *nw = hh < hq ? ly->q_norm : ly->k_norm;
+            if (nw && !m->qk_norm_all) rmsnorm(v, nw, d, m->eps, m->unit_offset, v);
+            if (m->rot_half && ly->cos) rope(v, ly->cos + p * m->rot_half, ly->sin + p * m->rot_half, m->rot_half);
+            if (hh >= hq) {
+                int kh = hh - hq;
+                size_t slot = (((size_t)b * hkv + kh) * m->max_seq + p) * d;
+                if (ly->k_scale) {
+                    store_int8((int8_t *)ly->k_cache + slot, v, ly->k_inv + (size_t)kh * d, d);
+                    store_int8((int8_t *)ly->v_cache + slot, v + (size_t)hkv * d, ly->v_inv + (size_t)kh * d, d);
+                } else if (m->kv_half) {
+                    store_half((_Float16 *)ly->k_cache + slot, v, d);
+                    store_half((_Float16 *)ly->v_cache + slot, v + (size_t)hkv * d, d);
+                } else {
+                    memcpy((float *)ly->k_cache + slot, v, sizeof(float) * d);
+                    memcpy((float *)ly->v_cache + slot, v + (size_t)hkv * d, sizeof(float) * d);
+                }
+            }
+        }
+    sync_team();
+}
+
+/* every attention unit into a (or, sliced, into its share in part) */
+static void attend_items(kv_step *s, const kv_layer *ly, kv_items w) {
+    const kv_model *m = s->m;
+    int g = m->hq / m->hkv, d = m->d, L = s->L, hq = m->hq, hkv = m->hkv;
+#pragma omp for schedule(static, 1) nowait
+    for (int u = 0; u < w.items * w.parts; u++) {
+        int it = u / w.parts, b = it / (w.heads * w.per), hh = it / w.per % w.heads, blk = it % w.per;
+        int nq = L > 1 ? (L - blk * QB < QB ? L - blk * QB : QB) : (g - blk * QB < QB ? g - blk * QB : QB);
+        const float *qp[QB];
+        float *outs[QB], *ml = NULL;
+        int ps[QB], kh = L > 1 ? hh / g : hh, j0 = 0, j1 = m->max_seq;
+        for (int i = 0; i < QB; i++) {
+            int ii = i < nq ? i : 0;
+            int r = L > 1 ? b * L + blk * QB + ii : b, head = L > 1 ? hh : hh * g + blk * QB + ii;
+            qp[i] = s->t + (size_t)r * s->qkv_n + (size_t)head * d;
+            outs[i] = s->a + (size_t)r * hq * d + (size_t)head * d;
+            ps[i] = (int)s->pos[r];
+        }
+        if (w.parts > 1) { /* decode: this slice's share, into the unit's place for the merge below */
+            slice(first_slot(ps[0], ly->window), ps[0], u % w.parts, w.parts, &j0, &j1);
+            ml = s->part + (size_t)u * QB * (d + 2);
+            for (int i = 0; i < QB; i++) outs[i] = ml + 2 * QB + (size_t)i * d;
+            if (j1 < j0) { /* a short row's empty slice */
+                for (int i = 0; i < QB; i++) ml[2 * i + 1] = 0.f;
+                continue;
+            }
+        }
+        size_t base = ((size_t)b * hkv + kh) * m->max_seq * d;
+        const float *kc = (const float *)ly->k_cache + base, *vc = (const float *)ly->v_cache + base;
+        if (ly->k_scale || m->kv_half) { /* int8 or float16: the rows these queries see, as float32 */
+            int lo = first_slot(ps[0], ly->window), hi = ps[nq - 1];
+            deq_need(m, ly, b, kh, lo > j0 ? lo : j0, hi < j1 ? hi : j1, &s->dq);
+            kc = s->dq.k, vc = s->dq.v;
+        }
+        attend(m, qp, nq, ps, ly->window, kc, vc, s->sc, outs, j0, j1, ml);
+    }
+    sync_team();
+}
+
+/* decode's slices merged per query: shares weighted e^(their largest - the largest) */
+static void merge_slices(const kv_step *s, kv_items w) {
+    const kv_model *m = s->m;
+    int g = m->hq / m->hkv, d = m->d, parts = w.parts;
+#pragma omp for schedule(static) nowait
+    for (int x = 0; x < w.items * QB; x++) {
+        int it = x / QB, i = x % QB, b = it / (w.heads * w.per), hh = it / w.per % w.heads, blk = it % w.per;
+        if (blk * QB + i >= g) continue; /* an absent query of the last block */
+        float *o = s->a + (size_t)b * m->hq * d + (size_t)(hh * g + blk * QB + i) * d, mx = -INFINITY, sum = 0.f;
+        for (int k = 0; k < parts; k++) {
+            const float *mk = s->part + (size_t)(it * parts + k) * QB * (d + 2);
+            if (mk[2 * i + 1] > 0.f && mk[2 * i] > mx) mx = mk[2 * i];
+        }
+        for (int e = 0; e < d; e++) o[e] = 0.f;
+        for (int k = 0; k < parts; k++) {
+            const float *mk = s->part + (size_t)(it * parts + k) * QB * (d + 2), *ok = mk + 2 * QB + (size_t)i * d;
+            if (!(mk[2 * i + 1] > 0.f)) continue; /* empty */
+            float wk = expf(mk[2 * i] - mx);
+            sum += wk * mk[2 * i + 1];
+#pragma omp simd
+            for (int e = 0; e < d; e++) o[e] += wk * ok[e];
+        }
+        for (int e = 0; e < d; e++) o[e] /= sum;
+    }
+    sync_team();
+}
+
+/* x += the projection's rows t2 (post-normed into h first: t2 stays read-only here); then, if next_norm is not
+ * NULL (or mlp: a copy), h = the next block's normed input */
+static void add_residual(const kv_step *s, const float *post_norm, int then_norm, const float *next_norm) {
+    const kv_model *m = s->m;
+    int H = m->hidden;
+    for (int r = s->r0; r < s->r1; r++) {
+        const float *o = s->t2 + (size_t)r * H;
+        float *hr = s->hs + (size_t)r * H, *xr = s->xs + (size_t)r * H;
+        if (post_norm) rmsnorm(o, post_norm, H, m->eps, m->unit_offset, hr), o = hr;
+        for (int i = 0; i < H; i++) xr[i] += o[i] * m->residual_scale;
+        if (!then_norm) continue;
+        if (next_norm) rmsnorm(xr, next_norm, H, m->eps, m->unit_offset, hr);
+        else memcpy(hr, xr, sizeof(float) * H);
+    }
+}
+
+/* layer li's attention block: its input norm, qkv, rotation and cache write, attention, o and the residual */
+static void attention_block(kv_step *s, int li) {
+    const kv_model *m = s->m;
+    const kv_layer *ly = &m->layers[li];
+    int H = m->hidden;
+    for (int r = s->r0; r < s->r1; r++) /* rows [r0, r1) are this thread's up to each projection's quantized input */
+        if (ly->attn_norm) rmsnorm(s->xs + (size_t)r * H, ly->attn_norm, H, m->eps, m->unit_offset, s->hs + (size_t)r * H);
+        else memcpy(s->hs + (size_t)r * H, s->xs + (size_t)r * H, sizeof(float) * H);
+    kv_items w = attention_items(s, li);
+    kv_fetch more = {0};
+    if (s->L == 1) plan_cache_fetch(s, ly, w, &more);
+    s->dq.b = -1; /* a new layer's cache */
+    /* a qkv whose last rows are of another format (qkv_tail: a GGUF file's attn_v in Q6_K beside Q4_K q and k) is
+     * two projections into the same rows of t */
+    linear_rows(&ly->qkv, s->M, s->hs, s->t, s->qkv_n, s->qs8, s->sas, s->cs, s->rep,
+                ly->qkv_tail.n ? &ly->qkv_tail : &ly->o, s->L == 1 ? &more : NULL);
+    if (ly->qkv_tail.n)
+        linear_rows(&ly->qkv_tail, s->M, s->hs, s->t + ly->qkv.n, s->qkv_n, s->qs8, s->sas, s->cs, s->rep, &ly->o, NULL);
+    qk_rotate_and_store(s, ly);
+    attend_items(s, ly, w);
+    if (w.parts > 1) merge_slices(s, w);
+    linear_rows(&ly->o, s->M, s->a, s->t2, H, s->qs8, s->sas, s->cs, s->rep, &ly->up, NULL);
+    add_residual(s, ly->post_attn_norm, 1, ly->mlp_norm);
+}
+
+/* layer li's MLP block: up (and gate), the activation, down and the residual */
+static void mlp_block(kv_step *s, int li) {
+    const kv_model *m = s->m;
+    const kv_layer *ly = &m->layers[li];
+    int I = m->inter, chunks = (I + 7) / 8;
+    linear_rows(&ly->up, s->M, s->hs, s->t, s->up_n, s->qs8, s->sas, s->cs, s->rep, &ly->down, NULL);
+#pragma omp for schedule(static) collapse(2) nowait
+    for (int r = 0; r < s->M; r++)
+        for (int ch = 0; ch < chunks; ch++)
+            act_chunk(m, s->t + (size_t)r * s->up_n, s->a + (size_t)r * I, ch * 8, ch * 8 + 8 < I ? ch * 8 + 8 : I);
+    sync_team();
+    linear_rows(&ly->down, s->M, s->a, s->t2, m->hidden, s->qs8, s->sas, s->cs, s->rep,
+                li + 1 < m->n_layers ? &m->layers[li + 1].qkv : &m->lm_head, NULL);
+    add_residual(s, ly->post_mlp_norm, 0, NULL);
+}
+
+/* the final norm of each output row (position logit_index[j] of batch row j / K), the head and its scalings */
+static void logits_rows(kv_step *s, const int64_t *logit_index, int K, float *logits) {
+    const kv_model *m = s->m;
+    int H = m->hidden, n = s->B * K, j0, j1; /* n <= M: hs holds them */
+    if (!s->rep) sync_team(); /* the final norm splits by output row: other threads' token rows */
+    span(s->rep, n, &j0, &j1);
+    for (int j = j0; j < j1; j++)
+        rmsnorm(s->xs + ((size_t)(j / K) * s->L + logit_index[j]) * H, m->final_norm, H, m->eps, m->unit_offset,
+                s->hs + (size_t)j * H);
+    linear_rows(&m->lm_head, n, s->hs, logits, m->vocab, s->qs8, s->sas, s->cs, s->rep, NULL, NULL);
+    if (m->logits_divisor != 1.f) {
+#pragma omp for schedule(static) nowait
+        for (size_t i = 0; i < (size_t)n * m->vocab; i++) logits[i] /= m->logits_divisor;
+        sync_team();
+    }
+    if (m->final_softcap > 0.f) {
+#pragma omp for schedule(static) nowait
+        for (size_t i = 0; i < (size_t)n * m->vocab; i++) logits[i] = tanhf(logits[i] / m->final_softcap) * m->final_softcap;
+        sync_team();
+    }
+}
+
 void kv_forward(const kv_model *m, int B, int L, const int64_t *ids, const int64_t *pos, const int64_t *logit_index,
                 int K, float *logits, int threads, void *scratch) {
-    int M = B * L, H = m->hidden, hq = m->hq, hkv = m->hkv, d = m->d, g = hq / hkv;
-    int qkv_n = (hq + 2 * hkv) * d, up_n = m->glu ? 2 * m->inter : m->inter;
-    size_t kmax = max3(H, (size_t)hq * d, m->inter), at[S_END + 1];
+    int M = B * L, H = m->hidden, d = m->d;
+    size_t kmax = max3(H, (size_t)m->hq * d, m->inter), at[S_END + 1];
     int rep = M <= 4;
     char *base = (char *)(((uintptr_t)scratch + 63) & ~(uintptr_t)63);
     scratch_layout(m, B, L, threads, at);
-    float *x = (float *)(base + at[S_X]), *h = (float *)(base + at[S_H]), *t = (float *)(base + at[S_T]);
-    float *t2 = (float *)(base + at[S_T2]), *a = (float *)(base + at[S_A]), *sa = (float *)(base + at[S_SA]);
+    float *x = (float *)(base + at[S_X]), *h = (float *)(base + at[S_H]), *sa = (float *)(base + at[S_SA]);
     float *c = (float *)(base + at[S_C]), *scores = (float *)(base + at[S_SCORES]), *deq = (float *)(base + at[S_DEQ]);
-    float *part = (float *)(base + at[S_PART]);
     int8_t *xq = (int8_t *)(base + at[S_XQ]);
     kv_barrier bar = {0, 0, 0};
 #pragma omp parallel num_threads(threads)
     {
         team_barrier = &bar;
-        int tid = omp_get_thread_num(), me = rep ? tid : 0, r0, r1;
-        float *sc = scores + (size_t)tid * QB * m->max_seq;
-        kv_deq dq = {-1, 0, 0, 0, deq + (size_t)tid * 2 * m->max_seq * d, deq + ((size_t)tid * 2 + 1) * m->max_seq * d};
-        float *xs = x + (size_t)me * M * H, *hs = h + (size_t)me * M * H; /* this thread's (or the shared) */
-        int8_t *qs8 = xq + (size_t)2 * me * M * kmax;
-        float *sas = sa + (size_t)2 * me * M * sub_stride(kmax), *cs = c + (size_t)2 * me * M * sub_stride(kmax);
-        span(rep, M, &r0, &r1);
-        for (int r = r0; r < r1; r++) kv_weight_rows(&m->embed, 1, ids + r, m->embed_scale, xs + (size_t)r * H);
+        int tid = omp_get_thread_num(), me = rep ? tid : 0;
+        kv_step s = {m, B, L, M, rep, tid, 0, 0, (m->hq + 2 * m->hkv) * d, m->glu ? 2 * m->inter : m->inter, pos,
+                     x + (size_t)me * M * H, h + (size_t)me * M * H, /* this thread's (or the shared) */
+                     (float *)(base + at[S_T]), (float *)(base + at[S_T2]), (float *)(base + at[S_A]),
+                     (float *)(base + at[S_PART]), scores + (size_t)tid * QB * m->max_seq,
+                     xq + (size_t)2 * me * M * kmax, sa + (size_t)2 * me * M * sub_stride(kmax),
+                     c + (size_t)2 * me * M * sub_stride(kmax),
+                     {-1, 0, 0, 0, deq + (size_t)tid * 2 * m->max_seq * d, deq + ((size_t)tid * 2 + 1) * m->max_seq * d}};
+        span(rep, M, &s.r0, &s.r1);
+        for (int r = s.r0; r < s.r1; r++) kv_weight_rows(&m->embed, 1, ids + r, m->embed_scale, s.xs + (size_t)r * H);
         for (int li = 0; li < m->n_layers; li++) {
-            const kv_layer *ly = &m->layers[li];
-            /* rows [r0, r1) are this thread's from the embedding to each projection's quantized input */
-            for (int r = r0; r < r1; r++)
-                if (ly->attn_norm) rmsnorm(xs + (size_t)r * H, ly->attn_norm, H, m->eps, m->unit_offset, hs + (size_t)r * H);
-                else memcpy(hs + (size_t)r * H, xs + (size_t)r * H, sizeof(float) * H);
-            /* attention's work items (below): prefill, blocks of QB consecutive queries of one head; decode
-             * (L = 1), the query heads of one KV head in groups of QB, so each K/V row is read once for them */
-            int per = L > 1 ? (L + QB - 1) / QB : (g + QB - 1) / QB, heads = L > 1 ? hq : hkv;
-            /* decode: `parts` slices an item (unit u: item u / parts, slice u % parts), so that the units split
-             * evenly between the threads, when rows are long enough */
-            int items = B * heads * per, nt = omp_get_num_threads();
-            int parts = L == 1 ? decode_slices(m, li, B, pos, nt) : 1;
-            kv_fetch more = {0}; /* decode: the cache rows this thread's units will read (unit u: thread u % nt) */
-            size_t esize = ly->k_scale ? 1 : m->kv_half ? 2 : sizeof(float); /* a cache element's bytes */
-            for (int u = tid; L == 1 && u < items * parts; u += nt) {
-                int it = u / parts, b = it / (heads * per), kh = it / per % heads, p = (int)pos[b], lo, hi;
-                slice(first_slot(p, ly->window), p, u % parts, parts, &lo, &hi);
-                hi = hi < p - 1 ? hi : p - 1; /* slot p is written this step */
-                if (hi < lo) continue;
-                size_t at = esize * (((size_t)b * hkv + kh) * m->max_seq + lo) * d, bytes = esize * (size_t)(hi - lo + 1) * d;
-                const char *kp = (const char *)ly->k_cache + at, *vp = (const char *)ly->v_cache + at;
-                if (more.count && more.p[more.count - 2] == kp) continue; /* a KV head's next block of queries */
-                fetch_add(&more, kp, bytes), fetch_add(&more, vp, bytes);
-            }
-            dq.b = -1; /* a new layer's cache */
-            /* a qkv whose last rows are of another format (qkv_tail: a GGUF file's attn_v in Q6_K beside Q4_K
-             * q and k) is two projections into the same rows of t */
-            linear_rows(&ly->qkv, M, hs, t, qkv_n, qs8, sas, cs, rep, ly->qkv_tail.n ? &ly->qkv_tail : &ly->o,
-                        L == 1 ? &more : NULL);
-            if (ly->qkv_tail.n)
-                linear_rows(&ly->qkv_tail, M, hs, t + ly->qkv.n, qkv_n, qs8, sas, cs, rep, &ly->o, NULL);
-            if (m->qk_norm_all) { /* q/k norms over all heads of a row's projection at once */
-#pragma omp for schedule(static) nowait
-                for (int r = 0; r < M; r++) {
-                    float *v = t + (size_t)r * qkv_n;
-                    rmsnorm(v, ly->q_norm, hq * d, m->eps, m->unit_offset, v);
-                    rmsnorm(v + (size_t)hq * d, ly->k_norm, hkv * d, m->eps, m->unit_offset, v + (size_t)hq * d);
-                }
-                sync_team();
-            }
-            /* q/k norm, rotation, cache write: one (row, head) at a time */
-#pragma omp for schedule(static) collapse(2) nowait
-            for (int r = 0; r < M; r++)
-                for (int hh = 0; hh < hq + hkv; hh++) {
-                    int b = r / L;
-                    int64_t p = pos[r];
-                    float *v = t + (size_t)r * qkv_n + (size_t)hh * d;
-                    const float *nw = hh < hq ? ly->q_norm : ly->k_norm;
-                    if (nw && !m->qk_norm_all) rmsnorm(v, nw, d, m->eps, m->unit_offset, v);
-                    if (m->rot_half && ly->cos)
-                        rope(v, ly->cos + p * m->rot_half, ly->sin + p * m->rot_half, m->rot_half);
-                    if (hh >= hq) {
-                        int kh = hh - hq;
-                        size_t slot = (((size_t)b * hkv + kh) * m->max_seq + p) * d;
-                        if (ly->k_scale) {
-                            store_int8((int8_t *)ly->k_cache + slot, v, ly->k_inv + (size_t)kh * d, d);
-                            store_int8((int8_t *)ly->v_cache + slot, v + (size_t)hkv * d, ly->v_inv + (size_t)kh * d, d);
-                        } else if (m->kv_half) {
-                            store_half((_Float16 *)ly->k_cache + slot, v, d);
-                            store_half((_Float16 *)ly->v_cache + slot, v + (size_t)hkv * d, d);
-                        } else {
-                            memcpy((float *)ly->k_cache + slot, v, sizeof(float) * d);
-                            memcpy((float *)ly->v_cache + slot, v + (size_t)hkv * d, sizeof(float) * d);
-                        }
-                    }
-                }
-            sync_team();
-#pragma omp for schedule(static, 1) nowait
-            for (int u = 0; u < items * parts; u++) {
-                int it = u / parts, b = it / (heads * per), hh = it / per % heads, blk = it % per;
-                int nq = L > 1 ? (L - blk * QB < QB ? L - blk * QB : QB) : (g - blk * QB < QB ? g - blk * QB : QB);
-                const float *qp[QB];
-                float *outs[QB], *ml = NULL;
-                int ps[QB], kh = L > 1 ? hh / g : hh, j0 = 0, j1 = m->max_seq;
-                for (int i = 0; i < QB; i++) {
-                    int ii = i < nq ? i : 0;
-                    int r = L > 1 ? b * L + blk * QB + ii : b, head = L > 1 ? hh : hh * g + blk * QB + ii;
-                    qp[i] = t + (size_t)r * qkv_n + (size_t)head * d;
-                    outs[i] = a + (size_t)r * hq * d + (size_t)head * d;
-                    ps[i] = (int)pos[r];
-                }
-                if (parts > 1) { /* decode: this slice's share, into the unit's place for the merge below */
-                    slice(first_slot(ps[0], ly->window), ps[0], u % parts, parts, &j0, &j1);
-                    ml = part + (size_t)u * QB * (d + 2);
-                    for (int i = 0; i < QB; i++) outs[i] = ml + 2 * QB + (size_t)i * d;
-                    if (j1 < j0) { /* a short row's empty slice */
-                        for (int i = 0; i < QB; i++) ml[2 * i + 1] = 0.f;
-                        continue;
-                    }
-                }
-                size_t base = ((size_t)b * hkv + kh) * m->max_seq * d;
-                const float *kc = (const float *)ly->k_cache + base, *vc = (const float *)ly->v_cache + base;
-                if (ly->k_scale || m->kv_half) { /* int8 or float16: the rows these queries see, as float32 */
-                    int lo = first_slot(ps[0], ly->window), hi = ps[nq - 1];
-                    deq_need(m, ly, b, kh, lo > j0 ? lo : j0, hi < j1 ? hi : j1, &dq);
-                    kc = dq.k, vc = dq.v;
-                }
-                attend(m, qp, nq, ps, ly->window, kc, vc, sc, outs, j0, j1, ml);
-            }
-            sync_team();
-            if (parts > 1) { /* each query's slices merged: shares weighted e^(their largest - the largest) */
-#pragma omp for schedule(static) nowait
-                for (int x = 0; x < items * QB; x++) {
-                    int it = x / QB, i = x % QB, b = it / (heads * per), hh = it / per % heads, blk = it % per;
-                    if (blk * QB + i >= g) continue; /* an absent query of the last block */
-                    float *o = a + (size_t)b * hq * d + (size_t)(hh * g + blk * QB + i) * d, mx = -INFINITY, sum = 0.f;
-                    for (int k = 0; k < parts; k++) {
-                        const float *mk = part + (size_t)(it * parts + k) * QB * (d + 2);
-                        if (mk[2 * i + 1] > 0.f && mk[2 * i] > mx) mx = mk[2 * i];
-                    }
-                    for (int e = 0; e < d; e++) o[e] = 0.f;
-                    for (int k = 0; k < parts; k++) {
-                        const float *mk = part + (size_t)(it * parts + k) * QB * (d + 2), *ok = mk + 2 * QB + (size_t)i * d;
-                        if (!(mk[2 * i + 1] > 0.f)) continue; /* empty */
-                        float w = expf(mk[2 * i] - mx);
-                        sum += w * mk[2 * i + 1];
-#pragma omp simd
-                        for (int e = 0; e < d; e++) o[e] += w * ok[e];
-                    }
-                    for (int e = 0; e < d; e++) o[e] /= sum;
-                }
-                sync_team();
-            }
-            linear_rows(&ly->o, M, a, t2, H, qs8, sas, cs, rep, &ly->up, NULL);
-            for (int r = r0; r < r1; r++) { /* x += o (post-normed into h first: t2 stays read-only here) */
-                const float *o = t2 + (size_t)r * H;
-                float *hr = hs + (size_t)r * H, *xr = xs + (size_t)r * H;
-                if (ly->post_attn_norm) rmsnorm(o, ly->post_attn_norm, H, m->eps, m->unit_offset, hr), o = hr;
-                for (int i = 0; i < H; i++) xr[i] += o[i] * m->residual_scale;
-                if (ly->mlp_norm) rmsnorm(xr, ly->mlp_norm, H, m->eps, m->unit_offset, hr);
-                else memcpy(hr, xr, sizeof(float) * H);
-            }
-            linear_rows(&ly->up, M, hs, t, up_n, qs8, sas, cs, rep, &ly->down, NULL);
-            int I = m->inter, chunks = (I + 7) / 8;
-#pragma omp for schedule(static) collapse(2) nowait
-            for (int r = 0; r < M; r++)
-                for (int ch = 0; ch < chunks; ch++)
-                    act_chunk(m, t + (size_t)r * up_n, a + (size_t)r * I, ch * 8, ch * 8 + 8 < I ? ch * 8 + 8 : I);
-            sync_team();
-            linear_rows(&ly->down, M, a, t2, H, qs8, sas, cs, rep,
-                        li + 1 < m->n_layers ? &m->layers[li + 1].qkv : &m->lm_head, NULL);
-            for (int r = r0; r < r1; r++) {
-                const float *o = t2 + (size_t)r * H;
-                float *hr = hs + (size_t)r * H, *xr = xs + (size_t)r * H;
-                if (ly->post_mlp_norm) rmsnorm(o, ly->post_mlp_norm, H, m->eps, m->unit_offset, hr), o = hr;
-                for (int i = 0; i < H; i++) xr[i] += o[i] * m->residual_scale;
-            }
+            attention_block(&s, li);
+            mlp_block(&s, li);
         }
-        if (!rep) sync_team(); /* the final norm splits by output row: other threads' token rows */
-        int n = B * K, j0, j1; /* output row j: position logit_index[j] of batch row j / K (n <= M: hs holds them) */
-        span(rep, n, &j0, &j1);
-        for (int j = j0; j < j1; j++)
-            rmsnorm(xs + ((size_t)(j / K) * L + logit_index[j]) * H, m->final_norm, H, m->eps, m->unit_offset,
-                    hs + (size_t)j * H);
-        linear_rows(&m->lm_head, n, hs, logits, m->vocab, qs8, sas, cs, rep, NULL, NULL);
-        if (m->logits_divisor != 1.f) {
-#pragma omp for schedule(static) nowait
-            for (size_t i = 0; i < (size_t)n * m->vocab; i++) logits[i] /= m->logits_divisor;
-            sync_team();
-        }
-        if (m->final_softcap > 0.f) {
-#pragma omp for schedule(static) nowait
-            for (size_t i = 0; i < (size_t)n * m->vocab; i++)
-                logits[i] = tanhf(logits[i] / m->final_softcap) * m->final_softcap;
-            sync_team();
-        }
+        logits_rows(&s, logit_index, K, logits);
     }
 }
