@@ -100,7 +100,10 @@ def tensorrt_weight_form(graph_path, max_opset: int = 21) -> list:
       blocking axis and B as the block size. The scale is a 2-D array of coefficients, with dimensions (R//B, S)");
     - each DequantizeLinear feeds a MatMul directly (NVIDIA/Model-Optimizer modelopt/onnx/quantization/int4.py:
       weights "plugged into the RHS (i.e. y = x @ W)", blocked over dimension 0);
-    - no float initializer (but the embedding) of a dequantized weight's shape: the graph holds the integers only."""
+    - no float initializer (but the embedding) of a dequantized weight's shape: the graph holds the integers only;
+    - in bytes: each INT4 weight is two values a byte (ONNX's packing, onnx/docs/IR.md "4 bit integer types"), INT8
+      one, and every float byte outside the embedding, the scales and the offsets is less than the smallest
+      linear would take as float32 (norms, tables): a float copy of any weight, of any shape, would not fit."""
     model = onnx.load(str(graph_path))
     graph = model.graph
     opset = next(o.version for o in model.opset_import if o.domain in ("", "ai.onnx"))
@@ -128,10 +131,20 @@ def tensorrt_weight_form(graph_path, max_opset: int = 21) -> list:
             assert w.data_type == TensorProto.INT8 and attrs["axis"] == 1 and list(s.dims) == [w.dims[1]]
         assert readers[node.output[0]] == ["MatMul"]
         shapes |= {tuple(w.dims), tuple(w.dims)[::-1]}
+        numel = int(np.prod(w.dims))
+        assert len(w.raw_data) == ((numel + 1) // 2 if w.data_type == TensorProto.INT4 else numel), node.name
+        assert len(s.dims) == 1 or s.dims[1] == w.dims[1]  # (R // B, S)
     embedding = {n.input[0] for n in graph.node if n.op_type == "Gather"}  # its own tensor, looked up by token
     floats = {tuple(t.dims) for t in graph.initializer
               if t.data_type in (TensorProto.FLOAT, TensorProto.FLOAT16) and t.name not in embedding}
     assert not floats & shapes
+    quant = {i for n in dq for i in n.input}
+    offsets = {i for n in graph.node if n.op_type == "ReduceSum" for i in n.input}  # the offset term's constants
+    other = sum(len(numpy_helper.to_array(t).tobytes()) for t in graph.initializer
+                if t.data_type in (TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16)
+                and t.name not in quant | embedding | offsets)
+    smallest = min(int(np.prod(inits[n.input[0]].dims)) for n in dq) * 4
+    assert other < smallest, (other, smallest)
     return dq
 
 
@@ -170,7 +183,7 @@ def test_kvedge_int4_exports_in_the_form(lowering, symmetric, dtype, llama256, t
     """kvedge's own int4 blocks; asymmetric ones carry the offset term, in float32 under a float16 graph too."""
     sc = export(llama256, tmp_path / "out", ExportOptions(attention=lowering, max_seq_len=MAX_SEQ, quantize="int4",
                                                           group_size=64, symmetric=symmetric, allow_degraded=True,
-                                                          dtype=dtype))
+                                                          dtype=dtype, quantize_lm_head=True))  # as --trt-version
     assert sc.verification["passed"], sc.verification
     assert dtype == "fp16" or sc.verification["max_abs_error"] < 1e-4, sc.verification
     dq = tensorrt_weight_form(tmp_path / "out" / "model.onnx", max_opset=21 if lowering == "decomposed" else 24)
