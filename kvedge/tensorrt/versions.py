@@ -120,9 +120,8 @@ def export_recipe(version: str, quantize: str | None, in_features: set[int], att
     """The `kvedge export` options whose graph TensorRT `version` builds: the attention lowering (`attention`, if
     given, is kept unless no TensorRT builds it) and the weight form: INT4 blocks of 128 (64 where a linear's input
     size is no multiple of 128) from 10.0, per-channel INT8 on every release (blocked INT8 builds on none), both
-    symmetric, the lm_head too (a float head would be the graph's one float copy of a linear's weight, a tied
-    head the embedding's second); `requantize` for a model that came quantized in another form (a GGUF file's
-    8-bit blocks). Raises KvedgeError with the reason where nothing builds."""
+    symmetric; `requantize` for a model that came quantized in another form (a GGUF file's 8-bit blocks). Raises
+    KvedgeError with the reason where nothing builds."""
     path = select_path(version)
     attention = attention or path.lowering
     if attention == "ort":
@@ -145,4 +144,4 @@ def export_recipe(version: str, quantize: str | None, in_features: set[int], att
                               f"every linear's input size ({', '.join(map(str, sorted(in_features)))}); use "
                               "--quantize int8")
     recipe = {"attention": attention, "group_size": group, "symmetric": True}
-    return {**recipe, "quantize": quantize, "quantize_lm_head": True} if quantize else {**recipe, "requantize": scheme}
+    return {**recipe, "quantize": quantize} if quantize else {**recipe, "requantize": scheme}

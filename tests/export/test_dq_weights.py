@@ -183,7 +183,7 @@ def test_kvedge_int4_exports_in_the_form(lowering, symmetric, dtype, llama256, t
     """kvedge's own int4 blocks; asymmetric ones carry the offset term, in float32 under a float16 graph too."""
     sc = export(llama256, tmp_path / "out", ExportOptions(attention=lowering, max_seq_len=MAX_SEQ, quantize="int4",
                                                           group_size=64, symmetric=symmetric, allow_degraded=True,
-                                                          dtype=dtype, quantize_lm_head=True))  # as --trt-version
+                                                          dtype=dtype, quantize_lm_head=True))  # every linear INT4
     assert sc.verification["passed"], sc.verification
     assert dtype == "fp16" or sc.verification["max_abs_error"] < 1e-4, sc.verification
     dq = tensorrt_weight_form(tmp_path / "out" / "model.onnx", max_opset=21 if lowering == "decomposed" else 24)

@@ -21,13 +21,12 @@ TARGETS = ["8.6", "10.0", "10.3", "10.13", "10.16", "11.0"]  # JetPack 5/6.0, 6.
 
 def test_the_recipe_per_version():
     assert export_recipe("10.3", "int4", {576, 1536}) == {"attention": "decomposed", "group_size": 64,
-                                                          "symmetric": True, "quantize": "int4",
-                                                          "quantize_lm_head": True}
+                                                          "symmetric": True, "quantize": "int4"}
     assert export_recipe("10.16", "int4", {2048, 8192})["group_size"] == 128  # Model-Optimizer's default
     assert export_recipe("10.16", None, {2048}) == {"attention": "onnx", "group_size": 128, "symmetric": True,
                                                     "requantize": "int4"}
     assert export_recipe("8.6", "int8", {2048}) == {"attention": "decomposed", "group_size": 0, "symmetric": True,
-                                                    "quantize": "int8", "quantize_lm_head": True}  # per channel
+                                                    "quantize": "int8"}  # per channel: blocked INT8 never builds
     assert export_recipe("8.6", None, {2048})["requantize"] == "int8"  # no INT4 before 10.0
     assert export_recipe("10.16", "int4", {2048}, attention="trt")["attention"] == "trt"
     for args, why in [(("8.6", "int4", {2048}), "TensorRT 8.6 has no INT4 weights"),
@@ -58,12 +57,12 @@ def test_each_targets_export_passes_its_check(version, tiny, tmp_path):
     assert report.buildable, [f.message for f in report.findings]
     graph = onnx.load(str(tmp_path / "out" / "model.onnx"))
     dq = [n for n in graph.graph.node if n.op_type == "DequantizeLinear"]
-    assert len(dq) == 9  # qkv, o, up, down in both layers, and the lm_head: no float linear
+    assert len(dq) == 8
     if scheme == "int4":
         assert sc.opset == (21 if recipe["attention"] == "decomposed" else 24)
         assert {a.i for n in dq for a in n.attribute if a.name == "block_size"} == {128}
         refused = [f.message for f in check(tmp_path / "out" / "model.onnx", "8.6").findings if f.blocking]
-        assert "blocked INT4 DequantizeLinear needs TensorRT >= 10.0 (9 nodes)" in refused
+        assert "blocked INT4 DequantizeLinear needs TensorRT >= 10.0 (8 nodes)" in refused
     else:
         assert sc.opset == 17 and all(len(n.input) == 3 for n in dq)  # 8.6 reads opset 17 and 3-input INT8 DQ
 
