@@ -103,23 +103,24 @@ def check_layout(dll: ctypes.CDLL, structs: tuple[type[ctypes.Structure], ...] =
         raise KvedgeError("; ".join(bad) + f" (kvedge/runtime/native_backend.py must mirror {SOURCE.name})")
 
 
+def _cpuinfo(*keys: str) -> set[str]:
+    """/proc/cpuinfo's lines that start with these keys (x86 `flags`, aarch64 `Features`, ...); empty elsewhere."""
+    try:
+        return {ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith(keys)}
+    except OSError:
+        return set()
+
+
 def _cpu() -> str:
     """What -march=native compiles for: the CPU's model and feature flags (a cache shared between machines
     must not hand one CPU's build to another)."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return platform.machine() + platform.processor()
-    return "".join(sorted({ln for ln in lines if ln.startswith(("model name", "flags", "Features", "CPU part"))}))
+    lines = _cpuinfo("model name", "flags", "Features", "CPU part")
+    return "".join(sorted(lines)) if lines else platform.machine() + platform.processor()
 
 
 def cpu_features() -> set[str]:
     """The CPU's feature names as /proc/cpuinfo lists them (x86 `flags`, aarch64 `Features`); empty elsewhere."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return set()
-    return {f for ln in lines if ln.startswith(("flags", "Features")) for f in ln.split(":", 1)[1].split()}
+    return {f for ln in _cpuinfo("flags", "Features") for f in ln.split(":", 1)[1].split()}
 
 
 def expected_kernels(features: set[str] | None = None, machine: str | None = None) -> int:
@@ -170,11 +171,14 @@ def compile_engine(flags: tuple[str, ...] = FLAGS, cache_dir: str | Path | None 
         root.mkdir(parents=True, exist_ok=True)
         tmp = lib.with_suffix(f".{os.getpid()}.tmp")
         print(f"kvedge: compiling the native engine ({cc} {' '.join(flags)})", file=sys.stderr)
-        r = subprocess.run([cc, *flags, "-o", str(tmp), str(SOURCE), "-lm"], capture_output=True, text=True)
+        def run(flags):
+            return subprocess.run([cc, *flags, "-o", str(tmp), str(SOURCE), "-lm"], capture_output=True, text=True)
+
+        r = run(flags)
         if r.returncode and "-march=native" in flags and platform.machine() in ("aarch64", "arm64"):
             flags = tuple(arm_march(cpu_features()) if f == "-march=native" else f for f in flags)
             print(f"kvedge: {cc} does not build -march=native here; building with {' '.join(flags)}", file=sys.stderr)
-            r = subprocess.run([cc, *flags, "-o", str(tmp), str(SOURCE), "-lm"], capture_output=True, text=True)
+            r = run(flags)
         if r.returncode:
             raise KvedgeError(f"compiling {SOURCE.name} failed ({cc} {' '.join(flags)}):\n{r.stderr[-2000:]}")
         tmp.replace(lib)  # atomic: concurrent first uses each compile, one file wins

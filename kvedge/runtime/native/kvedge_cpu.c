@@ -1412,19 +1412,24 @@ static void merge_slices(const kv_step *s, kv_items w) {
     sync_team();
 }
 
-/* x += the projection's rows t2 (post-normed into h first: t2 stays read-only here); then, if next_norm is not
- * NULL (or mlp: a copy), h = the next block's normed input */
-static void add_residual(const kv_step *s, const float *post_norm, int then_norm, const float *next_norm) {
+/* h = a block's input: this thread's rows [r0, r1) of x normed by w (or copied: no norm) */
+static void norm_rows(const kv_step *s, const float *w) {
+    const kv_model *m = s->m;
+    int H = m->hidden;
+    for (int r = s->r0; r < s->r1; r++)
+        if (w) rmsnorm(s->xs + (size_t)r * H, w, H, m->eps, m->unit_offset, s->hs + (size_t)r * H);
+        else memcpy(s->hs + (size_t)r * H, s->xs + (size_t)r * H, sizeof(float) * H);
+}
+
+/* x += the projection's rows t2, post-normed into h first where the layer has that norm (t2 stays read-only) */
+static void add_residual(const kv_step *s, const float *post_norm) {
     const kv_model *m = s->m;
     int H = m->hidden;
     for (int r = s->r0; r < s->r1; r++) {
         const float *o = s->t2 + (size_t)r * H;
-        float *hr = s->hs + (size_t)r * H, *xr = s->xs + (size_t)r * H;
-        if (post_norm) rmsnorm(o, post_norm, H, m->eps, m->unit_offset, hr), o = hr;
+        float *xr = s->xs + (size_t)r * H;
+        if (post_norm) rmsnorm(o, post_norm, H, m->eps, m->unit_offset, s->hs + (size_t)r * H), o = s->hs + (size_t)r * H;
         for (int i = 0; i < H; i++) xr[i] += o[i] * m->residual_scale;
-        if (!then_norm) continue;
-        if (next_norm) rmsnorm(xr, next_norm, H, m->eps, m->unit_offset, hr);
-        else memcpy(hr, xr, sizeof(float) * H);
     }
 }
 
@@ -1433,9 +1438,7 @@ static void attention_block(kv_step *s, int li) {
     const kv_model *m = s->m;
     const kv_layer *ly = &m->layers[li];
     int H = m->hidden;
-    for (int r = s->r0; r < s->r1; r++) /* rows [r0, r1) are this thread's up to each projection's quantized input */
-        if (ly->attn_norm) rmsnorm(s->xs + (size_t)r * H, ly->attn_norm, H, m->eps, m->unit_offset, s->hs + (size_t)r * H);
-        else memcpy(s->hs + (size_t)r * H, s->xs + (size_t)r * H, sizeof(float) * H);
+    norm_rows(s, ly->attn_norm); /* rows [r0, r1) are this thread's up to each projection's quantized input */
     kv_items w = attention_items(s, li);
     kv_fetch more = {0};
     if (s->L == 1) plan_cache_fetch(s, ly, w, &more);
@@ -1450,7 +1453,8 @@ static void attention_block(kv_step *s, int li) {
     attend_items(s, ly, w);
     if (w.parts > 1) merge_slices(s, w);
     linear_rows(&ly->o, s->M, s->a, s->t2, H, s->qs8, s->sas, s->cs, s->rep, &ly->up, NULL);
-    add_residual(s, ly->post_attn_norm, 1, ly->mlp_norm);
+    add_residual(s, ly->post_attn_norm);
+    norm_rows(s, ly->mlp_norm);
 }
 
 /* layer li's MLP block: up (and gate), the activation, down and the residual */
@@ -1466,7 +1470,7 @@ static void mlp_block(kv_step *s, int li) {
     sync_team();
     linear_rows(&ly->down, s->M, s->a, s->t2, m->hidden, s->qs8, s->sas, s->cs, s->rep,
                 li + 1 < m->n_layers ? &m->layers[li + 1].qkv : &m->lm_head, NULL);
-    add_residual(s, ly->post_mlp_norm, 0, NULL);
+    add_residual(s, ly->post_mlp_norm);
 }
 
 /* the final norm of each output row (position logit_index[j] of batch row j / K), the head and its scalings */
