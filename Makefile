@@ -27,7 +27,7 @@ demo: setup model
 	$(BIN)/kvedge demo --model $(SMOLLM2) --threads 2
 
 test: setup model
-	KVEDGE_SMOLLM2_GGUF=$(abspath $(SMOLLM2)) $(BIN)/python -m pytest -q -n 2
+	KVEDGE_SMOLLM2_GGUF=$(abspath $(SMOLLM2)) $(BIN)/python -m pytest -q -n 2 --dist loadgroup
 
 # On a Jetson or GPU machine with TensorRT: build -> parity against torch -> bench (skips elsewhere).
 tensorrt: setup

@@ -233,13 +233,68 @@ def cmd_serve(args) -> int:
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         print(f"kvedge serve: warning: listening on {args.host} without --api-key: anyone who can reach it can "
               f"use it", file=sys.stderr)
-    session = _open(args, max_batch=args.max_batch)
     name = args.model_name or Path(args.path).name.removesuffix(".gguf")
+    if args.ray is not None:
+        if args.autoscale and args.replicas != 1:
+            raise KvedgeError("give --replicas N or --autoscale MIN:MAX, not both")
+        return _serve_on_ray(args, name)
+    ray_only = [flag for flag, on in (("--replicas", args.replicas != 1), ("--autoscale", args.autoscale),
+                                      ("--replica-cpus", args.replica_cpus is not None),
+                                      ("--replica-gpus", args.replica_gpus is not None),
+                                      ("--replica-resource", args.replica_resource)) if on]
+    if ray_only:
+        raise KvedgeError(f"{', '.join(ray_only)} place replicas on a Ray cluster: add --ray [ADDRESS]")
+    session = _open(args, max_batch=args.max_batch)
     app = build_app(session, name, api_key=args.api_key, max_queue=args.max_queue, prefill_chunk=args.prefill_chunk)
     _say(args, f"kvedge serve: {name!r} on {session.backend.name}, {session.backend.max_batch} rows of "
                f"{session.max_seq_len} tokens, at http://{args.host}:{args.port}/v1")
     run(app, args.host, args.port, log_level="warning" if args.quiet else "info")
     return 0
+
+
+def _serve_on_ray(args, name: str) -> int:
+    from kvedge.serve import cluster
+
+    gpus = args.replica_gpus if args.replica_gpus is not None else float(args.backend == "tensorrt")
+    placement = cluster.Placement(cpus=args.replica_cpus or max(args.threads, 1), gpus=gpus,
+                                  resources=dict(args.replica_resource))
+    scaling = cluster.Scaling(replicas=args.replicas, autoscale=args.autoscale)
+    replicas = f"{args.autoscale[0]} to {args.autoscale[1]}" if args.autoscale else str(args.replicas)
+    _say(args, f"kvedge serve: starting {name!r} as {replicas} Ray Serve replica(s) of {args.max_batch} rows, each "
+               f"asking Ray for {placement.actor_options()}")
+    cluster.serve_forever(args.path, _load_options(args, args.max_batch),
+                          {"model_name": name, "api_key": args.api_key, "prefill_chunk": args.prefill_chunk},
+                          on_ready=lambda: _say(args, f"kvedge serve: ready at http://{args.host}:{args.port}/v1 "
+                                                      f"(Ctrl-C ends it)"),
+                          address=args.ray or None, host=args.host, port=args.port, placement=placement,
+                          scaling=scaling, max_queue=args.max_queue)
+    return 0
+
+
+def _min_max(text: str) -> tuple[int, int]:
+    """--autoscale MIN:MAX."""
+    from kvedge.serve.cluster import Scaling
+
+    lo, sep, hi = text.partition(":")
+    try:
+        if not (sep and lo.isdigit() and hi.isdigit()):
+            raise KvedgeError(f"MIN:MAX replicas expected, got {text!r}")
+        return Scaling(autoscale=(int(lo), int(hi))).autoscale
+    except KvedgeError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _resource(text: str) -> tuple[str, float]:
+    """--replica-resource NAME=AMOUNT."""
+    name, sep, amount = text.partition("=")
+    try:
+        value = float(amount) if sep and name else -1.0
+    except ValueError:
+        value = -1.0
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"NAME=AMOUNT with an amount > 0 expected (as `ray start --resources`), "
+                                         f"got {text!r}")
+    return name, value
 
 
 def cmd_export(args) -> int:
@@ -616,12 +671,16 @@ def _runtime_args(s: argparse.ArgumentParser, seq_len_help: str) -> None:
     _activations_arg(s)
 
 
+def _load_options(args, max_batch: int) -> dict:
+    return {"backend": args.backend, "threads": args.threads, "max_seq_len": args.max_seq_len, "max_batch": max_batch,
+            "quantize": None if args.quantize == "none" else args.quantize, "kv_dtype": args.kv_dtype,
+            "activations": args.activations}
+
+
 def _open(args, max_batch: int):
     from kvedge.runtime import load
 
-    return load(args.path, args.backend, threads=args.threads, max_seq_len=args.max_seq_len, max_batch=max_batch,
-                quantize=None if args.quantize == "none" else args.quantize, kv_dtype=args.kv_dtype,
-                activations=args.activations)
+    return load(args.path, **_load_options(args, max_batch))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -695,6 +754,21 @@ def build_parser() -> argparse.ArgumentParser:
                         "none: no key asked)")
     s.add_argument("--model-name", help="the model's id in the API (default: the path's name)")
     s.add_argument("--quiet", action="store_true", help="no startup line and no access log")
+    r = s.add_argument_group("replicas on a Ray cluster (pip install 'kvedge[ray]'; docs/serve.md)")
+    r.add_argument("--ray", nargs="?", const="", metavar="ADDRESS",
+                   help="serve as Ray Serve replicas, each one backend with its own rows; ADDRESS: a cluster's "
+                        "(ray start --head prints it); without one, $RAY_ADDRESS, a cluster started on this machine, "
+                        "else a new local Ray instance")
+    r.add_argument("--replicas", type=POSITIVE, default=1, help="replicas (default 1)")
+    r.add_argument("--autoscale", type=_min_max, metavar="MIN:MAX",
+                   help="scale between MIN and MAX replicas on ongoing requests, aiming at --max-batch per replica")
+    r.add_argument("--replica-cpus", type=number(float, above=0), metavar="N",
+                   help="CPU cores each replica asks Ray for (default: --threads, at least 1)")
+    r.add_argument("--replica-gpus", type=number(float, min=0), metavar="N",
+                   help="GPUs each replica asks Ray for (default 1 with --backend tensorrt, else 0)")
+    r.add_argument("--replica-resource", type=_resource, action="append", default=[], metavar="NAME=AMOUNT",
+                   help="a custom resource each replica needs, as given to `ray start --resources` on the nodes that "
+                        "have it (a Jetson model: orin_nx=1); repeatable")
     s.set_defaults(fn=cmd_serve)
 
     s = sub.add_parser("export", help="export a checkpoint to ONNX (KV cache as inputs/outputs) and verify it",

@@ -62,6 +62,11 @@ def test_a_missing_path_is_named_as_missing(argv, ckpt, tmp_path):
     (["generate", "{ckpt}", "--prompt", "hi", "--temperature", "-1"], "--temperature"),
     (["serve", "{ckpt}", "--port", "70000"], "--port"),
     (["serve", "{ckpt}", "--max-batch", "0"], "--max-batch"),
+    (["serve", "{ckpt}", "--ray", "--autoscale", "3:1"], "--autoscale"),
+    (["serve", "{ckpt}", "--ray", "--autoscale", "0:0"], "--autoscale"),
+    (["serve", "{ckpt}", "--ray", "--replica-resource", "orin"], "--replica-resource"),
+    (["serve", "{ckpt}", "--ray", "--replica-resource", "orin=0"], "--replica-resource"),
+    (["serve", "{ckpt}", "--ray", "--replica-gpus", "-1"], "--replica-gpus"),
     (["export", "{ckpt}", "-o", "{out}", "--max-seq-len", "0"], "--max-seq-len"),
     (["export", "{ckpt}", "-o", "{out}", "--max-batch", "0"], "--max-batch"),
     (["export", "{ckpt}", "-o", "{out}", "--group-size", "48"], "--group-size"),
@@ -84,6 +89,14 @@ def test_numeric_options_are_checked_while_the_command_line_is_read(argv, flag, 
     err = one_line_error(kvedge(*argv, timeout=60))
     assert err.startswith(f"kvedge: error: argument {flag}: ")
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("flags", [["--replicas", "2"], ["--autoscale", "1:3"], ["--replica-resource", "orin=1"]])
+def test_replica_flags_without_ray_say_to_add_it(flags, ckpt):
+    """A replica count or placement means a Ray cluster; without --ray it is refused, not ignored (the single
+    server would start as if it had not been asked)."""
+    err = one_line_error(kvedge("serve", str(ckpt), *flags, timeout=60))
+    assert err.startswith(f"kvedge: error: {flags[0]}") and "--ray" in err
 
 
 def test_a_too_long_prompt_names_the_flag_that_drops_tokens(ckpt):

@@ -112,6 +112,11 @@ class Scheduler:
         return self.backend.max_seq_len
 
     @property
+    def alive(self) -> bool:
+        """The scheduler's thread is running (a replica's health check)."""
+        return self._thread is not None and self._thread.is_alive()
+
+    @property
     def running(self) -> int:
         return sum(job is not None for job in self.rows)
 
