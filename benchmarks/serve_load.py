@@ -73,14 +73,15 @@ def start_server(path: Path, backend: str, a) -> tuple[subprocess.Popen, int]:
         time.sleep(0.5)
 
 
-def stream(port: int, prompt: list[int], gen: int, start: threading.Barrier) -> tuple[float, list[float]]:
-    """One streamed completion: (the time it was sent, each token's arrival time)."""
+def stream(port: int, prompt: list[int], gen: int, start: threading.Barrier,
+           prefix: str = "") -> tuple[float, list[float]]:
+    """One streamed completion (POST {prefix}/v1/completions): (the time it was sent, each token's arrival time)."""
     body = json.dumps({"model": "bench", "prompt": prompt, "max_tokens": gen, "temperature": 0, "stream": True,
                        "ignore_eos": True})
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
     start.wait()
     sent = time.perf_counter()
-    conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+    conn.request("POST", f"{prefix}/v1/completions", body, {"Content-Type": "application/json"})
     r = conn.getresponse()
     if r.status != 200:
         raise SystemExit(f"the server answered {r.status}: {r.read()[:300]!r}")
@@ -93,13 +94,13 @@ def stream(port: int, prompt: list[int], gen: int, start: threading.Barrier) -> 
     return sent, times
 
 
-def one_round(port: int, prompts: list[list[int]], gen: int) -> list[tuple[float, list[float]]]:
+def one_round(port: int, prompts: list[list[int]], gen: int, prefix: str = "") -> list[tuple[float, list[float]]]:
     start = threading.Barrier(len(prompts))
     out: list = [None] * len(prompts)
 
     def run(i):
         try:
-            out[i] = stream(port, prompts[i], gen, start)
+            out[i] = stream(port, prompts[i], gen, start, prefix)
         except BaseException as e:  # noqa: BLE001 - raised in the main thread below (a thread's would be lost)
             out[i] = e
             start.abort()  # the others waiting to start give up too
