@@ -258,6 +258,9 @@ def _serve_on_ray(args, name: str) -> int:
     gpus = args.replica_gpus if args.replica_gpus is not None else float(args.backend == "tensorrt")
     placement = cluster.Placement(cpus=args.replica_cpus or max(args.threads, 1), gpus=gpus,
                                   resources=dict(args.replica_resource))
+    # a replica runs as many engine threads as the cores it reserves: "the runtime's choice" would be every
+    # core of its node, shared with the other replicas there
+    args.threads = args.threads or max(int(placement.cpus), 1)
     scaling = cluster.Scaling(replicas=args.replicas, autoscale=args.autoscale)
     replicas = f"{args.autoscale[0]} to {args.autoscale[1]}" if args.autoscale else str(args.replicas)
     _say(args, f"kvedge serve: starting {name!r} as {replicas} Ray Serve replica(s) of {args.max_batch} rows, each "
@@ -267,7 +270,8 @@ def _serve_on_ray(args, name: str) -> int:
                           on_ready=lambda: _say(args, f"kvedge serve: ready at http://{args.host}:{args.port}/v1 "
                                                       f"(Ctrl-C ends it)"),
                           address=args.ray or None, host=args.host, port=args.port, placement=placement,
-                          scaling=scaling, max_queue=args.max_queue)
+                          scaling=scaling, max_queue=args.max_queue,
+                          progress=lambda line: print(f"kvedge serve: Ray: {line}", file=sys.stderr))
     return 0
 
 
@@ -763,7 +767,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--autoscale", type=_min_max, metavar="MIN:MAX",
                    help="scale between MIN and MAX replicas on ongoing requests, aiming at --max-batch per replica")
     r.add_argument("--replica-cpus", type=number(float, above=0), metavar="N",
-                   help="CPU cores each replica asks Ray for (default: --threads, at least 1)")
+                   help="CPU cores each replica asks Ray for (default: --threads, at least 1); without --threads, a "
+                        "replica runs that many threads")
     r.add_argument("--replica-gpus", type=number(float, min=0), metavar="N",
                    help="GPUs each replica asks Ray for (default 1 with --backend tensorrt, else 0)")
     r.add_argument("--replica-resource", type=_resource, action="append", default=[], metavar="NAME=AMOUNT",

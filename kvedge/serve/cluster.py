@@ -109,28 +109,32 @@ def tagged(app, replica: str):
     return asgi
 
 
+def deployment(placement: Placement, scaling: Scaling, max_batch: int, max_queue: int):
+    """The Ray Serve deployment of Replica. A replica takes up to max_batch + max_queue requests (then answers
+    429 itself, as one server does) plus a few for /health, /metrics and /v1/models; past that Ray's proxy
+    holds requests until one has room."""
+    serve = require("ray.serve", "ray", "kvedge serve --ray")
+    return serve.deployment(serve.ingress()(Replica), name=APP_NAME, ray_actor_options=placement.actor_options(),
+                            max_ongoing_requests=max_batch + max_queue + 4, health_check_period_s=5,
+                            health_check_timeout_s=30, **scaling.options(max_batch))
+
+
 def application(path: str, load_options: dict, app_options: dict, *, placement: Placement = Placement(),
                 scaling: Scaling = Scaling(), max_queue: int = 16):
-    """The Ray Serve application (not yet running): a deployment of Replica with its placement and scaling.
-    A replica takes up to max_batch + max_queue requests (then answers 429 itself, as one server does) plus a
-    few for /health, /metrics and /v1/models; past that Ray's proxy holds requests until one is free."""
-    serve = require("ray.serve", "ray", "kvedge serve --ray")
-    max_batch = load_options.get("max_batch") or 1
-    deployment = serve.deployment(serve.ingress()(Replica), name=APP_NAME,
-                                  ray_actor_options=placement.actor_options(),
-                                  max_ongoing_requests=max_batch + max_queue + 4,
-                                  health_check_period_s=5, health_check_timeout_s=30,
-                                  **scaling.options(max_batch))
-    return deployment.bind(str(path), load_options, app_options | {"max_queue": max_queue})
+    """The Ray Serve application (not yet running): the deployment bound to what each replica opens."""
+    return deployment(placement, scaling, load_options.get("max_batch") or 1, max_queue).bind(
+        str(path), load_options, app_options | {"max_queue": max_queue})
 
 
 def start(path: str, load_options: dict, app_options: dict, *, address: str | None = None,
           host: str = "127.0.0.1", port: int = 8000, placement: Placement = Placement(),
-          scaling: Scaling = Scaling(), max_queue: int = 16, name: str = APP_NAME, route_prefix: str = "/"):
+          scaling: Scaling = Scaling(), max_queue: int = 16, name: str = APP_NAME, route_prefix: str = "/",
+          progress=log.warning):
     """Connect to Ray (address: a cluster's, "local" for a new instance on this machine, None for Ray's
     default: $RAY_ADDRESS, else a cluster started on this machine with `ray start`, else a new local instance),
     start Serve's proxy on host:port, deploy the replicas as the application `name` under `route_prefix` (several
-    models or configurations can share one proxy) and wait until they are ready. Returns the handle."""
+    models or configurations can share one proxy) and wait until they are ready, passing what Ray says about
+    replicas still starting to progress(line). Returns the handle."""
     ray = require("ray", "ray", "kvedge serve --ray")
     from ray import serve
 
@@ -138,7 +142,34 @@ def start(path: str, load_options: dict, app_options: dict, *, address: str | No
         ray.init(address=address, include_dashboard=False, configure_logging=False, log_to_driver=False)
     serve.start(http_options={"host": host, "port": port}, proxy_location="HeadOnly")
     app = application(path, load_options, app_options, placement=placement, scaling=scaling, max_queue=max_queue)
-    return serve.run(app, name=name, route_prefix=route_prefix, blocking=False)
+    waiting = threading.Event()
+    threading.Thread(target=_report, args=(serve, name, waiting, progress), daemon=True).start()
+    try:
+        return serve.run(app, name=name, route_prefix=route_prefix, blocking=False)
+    except RuntimeError as e:  # Ray says "failed to update the deployments"; the replica's own error is in status
+        try:
+            message = serve.status().applications[name].deployments[APP_NAME].message
+        except (KeyError, AttributeError):
+            message = str(e)
+        last = [line for line in message.strip().splitlines() if line.strip()][-1:] or [str(e)]
+        serve.delete(name)  # else Ray keeps retrying the replicas, holding what they asked for
+        raise KvedgeError(f"the replicas did not start: {last[0].strip()}") from None
+    finally:
+        waiting.set()
+
+
+def _report(serve, name: str, done: threading.Event, progress, every_s: float = 10) -> None:
+    """While the replicas start, pass on what Ray says about them when it changes: a replica that no node can
+    take (its resources are nowhere free) waits silently otherwise."""
+    said = ""
+    while not done.wait(every_s):
+        try:
+            message = serve.status().applications[name].deployments[APP_NAME].message
+        except (KeyError, AttributeError):
+            continue
+        if message and message != said:
+            progress(message.strip().splitlines()[0])  # its first line; a constructor's traceback follows
+            said = message
 
 
 def serve_forever(path: str, load_options: dict, app_options: dict, on_ready=lambda: None, **kw) -> None:

@@ -85,6 +85,22 @@ def replica_metric(url: str, replica: str, line: str, deadline_s: float = 30) ->
     raise AssertionError(f"no /metrics answer from replica {replica} in {deadline_s} s")
 
 
+def test_placement_and_scaling_reach_ray():
+    """What a replica asks for and how many there are, as Ray's own deployment config reads them."""
+    from kvedge.errors import KvedgeError
+    from kvedge.serve.cluster import Placement, Scaling, deployment
+
+    d = deployment(Placement(cpus=2, gpus=0.5, resources={"orin_nx": 1}), Scaling(autoscale=(1, 3)), 4, 2)
+    assert d.ray_actor_options == {"num_cpus": 2, "num_gpus": 0.5, "resources": {"orin_nx": 1}}
+    assert d.max_ongoing_requests == 4 + 2 + 4  # rows + queue + room for /health and /metrics
+    auto = d._deployment_config.autoscaling_config  # parsed by Ray (ray/serve/config.py, AutoscalingConfig)
+    assert (auto.min_replicas, auto.max_replicas, auto.target_ongoing_requests) == (1, 3, 4)
+    assert deployment(Placement(), Scaling(replicas=3), 1, 0).num_replicas == 3
+    for bad in ({"autoscale": (2, 1)}, {"autoscale": (0, 0)}, {"replicas": 0}):
+        with pytest.raises(KvedgeError):
+            Scaling(**bad)
+
+
 def test_two_replicas_answer_as_a_plain_session(served, reference):
     url, _ = served
     c = client(url, KEY)
@@ -180,6 +196,21 @@ def test_a_client_that_goes_away_frees_its_row_on_its_replica(served):
         assert time.monotonic() < end, "the replica did not see the client go"
         time.sleep(0.2)
     assert replica_metric(url, replica, "kvedge_running_rows") == 0
+
+
+def test_a_replica_that_cannot_open_the_model_is_one_line_error(served):
+    """The replica's own error (here: an export-only backend on a checkpoint), not Ray's "failed to update the
+    deployments" with a traceback."""
+    from ray import serve
+
+    from kvedge.errors import KvedgeError
+    from kvedge.serve import cluster
+
+    with pytest.raises(KvedgeError, match="the replicas did not start: .*no kvedge.json") as e:
+        cluster.start(str(served[1]), {"backend": "onnxruntime", "max_batch": 1}, {"model_name": "demo"},
+                      placement=cluster.Placement(cpus=0), name="broken", route_prefix="/broken")
+    assert "\n" not in str(e.value)
+    assert "broken" not in serve.status().applications  # deleted: its replicas would hold the cores they asked for
 
 
 def test_a_replica_killed_mid_stream_ends_it_with_an_error_and_others_serve(served, reference):
