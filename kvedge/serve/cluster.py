@@ -13,6 +13,7 @@ steps.
 
 from __future__ import annotations
 
+import gc
 import logging
 import signal
 import threading
@@ -82,6 +83,8 @@ class Replica:
         from kvedge.serve import build_app
 
         self.server = build_app(self.session, **self.app_options)
+        gc.collect()  # as kvedge.serve.run: the model's objects out of the collector's reach, no pauses mid-stream
+        gc.freeze()
         return tagged(self.server, serve.get_replica_context().replica_id.unique_id)
 
     def check_health(self) -> None:
