@@ -190,3 +190,39 @@ def test_kvedge_int4_exports_in_the_form(lowering, symmetric, dtype, llama256, t
     assert all(a.i == 64 for n in dq for a in n.attribute if a.name == "block_size")
     graph = onnx.load(str(tmp_path / "out" / "model.onnx")).graph
     assert any(n.op_type == "ReduceSum" for n in graph.node) != symmetric  # the offset term only where needed
+
+
+def test_a_tied_head_reads_the_embeddings_one_float_table(tmp_path):
+    """A tied GGUF file (no output.weight), exported for TensorRT 10.3 from the command line: every linear but the
+    head is INT4, and the embedding and the head read one float table, never two. Why not INT4 there: TensorRT
+    dequantizes INT4 blocks only for "2-D input tensors with DataType::kINT4 that are rooted at an IConstantLayer
+    (i.e. weights)" (NVIDIA/TensorRT include/NvInfer.h, release/10.3, IDequantizeLayer), so the embedding's Gather
+    reads float rows, and an INT4 head beside that table would add bytes; NVIDIA's own INT4 preset leaves the lm_head
+    unquantized too (NVIDIA/Model-Optimizer modelopt_recipes/configs/ptq/presets/model/int4_awq.yaml imports
+    units/default_disabled_quantizers.yaml: '*lm_head*' enable: false). `kvedge parity` passes on the export."""
+    import json
+
+    from kvedge.cli import main
+    from kvedge.tensorrt.check import check
+
+    hf = tmp_path / "hf"
+    save_hf_checkpoint(hf, "llama", hidden_size=128, intermediate_size=256, num_attention_heads=4,
+                       num_key_value_heads=2, num_hidden_layers=2, vocab_size=160, tie_word_embeddings=True)
+    gguf_path = write_gguf(tmp_path / "tied.gguf", hf, "Q4_1")
+    out = tmp_path / "out"
+    assert main(["export", str(gguf_path), "-o", str(out), "--trt-version", "10.3", "--max-seq-len", str(MAX_SEQ),
+                 "--quiet"]) == 0
+    graph = onnx.load(str(out / "model.onnx")).graph
+    dq = tensorrt_weight_form(out / "model.onnx")
+    assert len(dq) == 4 * 2  # qkv, o, up, down in both layers: the head is not among them
+    tables = [t for t in graph.initializer if t.data_type in (TensorProto.FLOAT, TensorProto.FLOAT16)
+              and sorted(t.dims) == [128, 160]]
+    assert len(tables) == 1, [t.name for t in tables]
+    readers = {n.op_type: n for n in graph.node if tables[0].name in n.input}
+    assert sorted(readers) == ["Gather", "Transpose"]
+    head = [n for n in graph.node if readers["Transpose"].output[0] in n.input]
+    assert [n.op_type for n in head] == ["MatMul"]
+    assert check(out / "model.onnx", "10.3").buildable
+    assert main(["parity", str(out), "--steps", "8", "-o", str(tmp_path / "parity"), "--quiet"]) == 0
+    report = json.loads((tmp_path / "parity" / "parity-onnxruntime.json").read_text())
+    assert report["passed"] and report["greedy_agree"], report
