@@ -30,15 +30,19 @@ def build_app(session: Session, model_name: str, *, api_key: str | None = None, 
     return create_app(scheduler, model_name, api_key, max_body_bytes or MAX_BODY_BYTES)
 
 
-def run(app, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:
-    """Serve `app` with uvicorn until interrupted. The objects alive by then (the model, torch, the libraries:
-    hundreds of thousands) are first moved out of the garbage collector's reach (gc.freeze): a full
-    collection would walk them all while holding the GIL, a pause every stream waits through
-    (docs/benchmarks.md); the requests' own objects are collected as before."""
+def freeze_heap() -> None:
+    """Move the objects alive now (the model, torch, the libraries: hundreds of thousands) out of the garbage
+    collector's reach: a full collection would walk them all while holding the GIL, a pause every stream waits
+    through (docs/benchmarks.md); the requests' own objects are collected as before."""
     import gc
-
-    import uvicorn
 
     gc.collect()
     gc.freeze()
+
+
+def run(app, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:
+    """Serve `app` with uvicorn until interrupted, the heap frozen first (freeze_heap)."""
+    import uvicorn
+
+    freeze_heap()
     uvicorn.run(app, host=host, port=port, log_level=log_level)

@@ -13,7 +13,6 @@ steps.
 
 from __future__ import annotations
 
-import gc
 import logging
 import signal
 import threading
@@ -80,11 +79,10 @@ class Replica:
     def __serve_build_asgi_app__(self):
         from ray import serve
 
-        from kvedge.serve import build_app
+        from kvedge.serve import build_app, freeze_heap
 
         self.server = build_app(self.session, **self.app_options)
-        gc.collect()  # as kvedge.serve.run: the model's objects out of the collector's reach, no pauses mid-stream
-        gc.freeze()
+        freeze_heap()  # as kvedge.serve.run does
         return tagged(self.server, serve.get_replica_context().replica_id.unique_id)
 
     def check_health(self) -> None:
