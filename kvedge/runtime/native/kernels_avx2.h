@@ -36,6 +36,11 @@ static inline float quantize_sub_block(const float *v, int8_t *qv, int *sum) {
 #define KV_VNNI 0
 #endif
 #define SIGNED8 (!KV_VNNI)
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define KV_ZMM 1 /* 512-bit registers for the 4-bit tiles (tile_sums) */
+#else
+#define KV_ZMM 0
+#endif
 
 /* acc + the sums of each 4 adjacent products u * s (u unsigned bytes, s signed bytes; u less 128 under SIGNED8) */
 static inline __m256i dot_u8s8(__m256i acc, __m256i u, __m256i s) {
@@ -159,11 +164,60 @@ static inline __attribute__((always_inline)) void qdot_rows_w(const int aff, con
     }
 }
 
+/* d[j] = the integer sums of a 4-bit tile's sub-block (its 128 bytes at q) against activation row j's 32 at
+ * xq[j] + off, for j < rm: lane i row i's. Each of the tile's 4 vectors gives a low and a high nibble vector,
+ * each multiplied by 4 activations broadcast to all lanes. With AVX512-VNNI, two vectors fill one 512-bit
+ * register and a permute of the 32 activations puts each half's 4 in place: half the instructions a weight
+ * byte, which bound prefill. Without VNNI: 8 maddubs pairs of at most 2 * 15 * 127 each, added in int16 (within 8 * 3810), widened once. */
+static inline __attribute__((always_inline)) void tile_sums(const int rm, const uint8_t *q, const int8_t *const *xq,
+                                                            size_t off, __m256i *d) {
+#if KV_ZMM
+    const __m512i m = _mm512_set1_epi8(0x0F);
+    /* the activation dwords each 512-bit weight vector meets: [vector 2p | vector 2p + 1], low or high nibbles */
+    const __m512i lo0 = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2);
+    const __m512i hi0 = _mm512_setr_epi32(1, 1, 1, 1, 1, 1, 1, 1, 3, 3, 3, 3, 3, 3, 3, 3);
+    const __m512i lo1 = _mm512_add_epi32(lo0, _mm512_set1_epi32(4)), hi1 = _mm512_add_epi32(hi0, _mm512_set1_epi32(4));
+    __m512i b0 = _mm512_loadu_si512(q), b1 = _mm512_loadu_si512(q + 64);
+    __m512i l0 = _mm512_and_si512(b0, m), h0 = _mm512_and_si512(_mm512_srli_epi16(b0, 4), m);
+    __m512i l1 = _mm512_and_si512(b1, m), h1 = _mm512_and_si512(_mm512_srli_epi16(b1, 4), m);
+    for (int j = 0; j < rm; j++) {
+        __m512i a = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(xq[j] + off)));
+        __m512i s0 = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), l0, _mm512_permutexvar_epi32(lo0, a)),
+                                         h0, _mm512_permutexvar_epi32(hi0, a));
+        __m512i s1 = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), l1, _mm512_permutexvar_epi32(lo1, a)),
+                                         h1, _mm512_permutexvar_epi32(hi1, a));
+        __m512i t = _mm512_add_epi32(s0, s1);
+        d[j] = _mm256_add_epi32(_mm512_castsi512_si256(t), _mm512_extracti64x4_epi64(t, 1));
+    }
+#else
+    const __m256i m = _mm256_set1_epi8(0x0F);
+    for (int j = 0; j < rm; j++) d[j] = _mm256_setzero_si256();
+    /* two vectors at a time: unrolled by 4, GCC hoisted every vector's loads and unpacking ahead and spilled
+     * registers at 3 and 4 activation rows (by 2, those ran faster; 1 and 2 rows ran alike) */
+#pragma GCC unroll 2
+    for (int v = 0; v < 4; v++) {
+        __m256i b = _mm256_loadu_si256((const __m256i *)(q + 32 * v));
+        __m256i lo = _mm256_and_si256(b, m), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), m);
+        for (int j = 0; j < rm; j++) {
+            int32_t a0, a1; /* activations 8 v .. 8 v + 3 and 8 v + 4 .. 8 v + 7 of the sub-block */
+            memcpy(&a0, xq[j] + off + 8 * v, 4), memcpy(&a1, xq[j] + off + 8 * v + 4, 4);
+#if KV_VNNI
+            d[j] = dot_u8s8(dot_u8s8(d[j], lo, _mm256_set1_epi32(a0)), hi, _mm256_set1_epi32(a1));
+#else
+            d[j] = _mm256_add_epi16(_mm256_add_epi16(d[j], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(a0))),
+                                    _mm256_maddubs_epi16(hi, _mm256_set1_epi32(a1)));
+#endif
+        }
+    }
+#if !KV_VNNI
+    for (int j = 0; j < rm; j++) d[j] = _mm256_madd_epi16(d[j], _mm256_set1_epi16(1));
+#endif
+#endif
+}
+
 /* out[j * TILE + i] = row n0 + i (n0 a multiple of TILE) of a 4-bit linear . activation row j (channel order),
- * for i < TILE and j < rm (1 to TILE_RM, a constant, as aff: qdot_rows_w's). Per sub-block, each of its 4
- * vectors gives a low and a high nibble vector, each multiplied by 4 activations broadcast to all lanes, so the
- * lanes add up to the TILE rows' integer sums: without VNNI, 8 maddubs pairs of at most 2 * 15 * 127 each, added in
- * int16 (within 8 * 3810), then widened once. */
+ * for i < TILE and j < rm (1 to TILE_RM, a constant, as aff: qdot_rows_w's): per sub-block, the TILE rows' integer
+ * sums (tile_sums) scaled by its figures. */
 static inline __attribute__((always_inline)) void qtile_w(const int aff, const int rm, const kv_linear *l, int n0,
                                                           const int8_t *const *xq, const float *const *sa,
                                                           const float *const *c, float *out) {
@@ -171,30 +225,12 @@ static inline __attribute__((always_inline)) void qtile_w(const int aff, const i
     const size_t f0 = (size_t)(n0 / TILE) * nsb * TILE; /* this tile's figures */
     const size_t figs = aff == 3 ? kv_figures(l->n, l->k, 4) : 0;
     const uint8_t *q = l->q + (size_t)n0 * l->k / 2;
-    const __m256i m = _mm256_set1_epi8(0x0F);
     const __m256 zs = _mm256_set1_ps(l->zsym);
     __m256 acc[TILE_RM];
     for (int j = 0; j < rm; j++) acc[j] = _mm256_setzero_ps();
     for (int sb = 0; sb < nsb; sb++, q += 4 * 32) {
         __m256i d[TILE_RM];
-        for (int j = 0; j < rm; j++) d[j] = _mm256_setzero_si256();
-        /* two vectors at a time: unrolled by 4, GCC hoisted every vector's loads and unpacking ahead and spilled
-         * registers at 3 and 4 activation rows (by 2, those ran faster; 1 and 2 rows ran alike) */
-#pragma GCC unroll 2
-        for (int v = 0; v < 4; v++) {
-            __m256i b = _mm256_loadu_si256((const __m256i *)(q + 32 * v));
-            __m256i lo = _mm256_and_si256(b, m), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), m);
-            for (int j = 0; j < rm; j++) {
-                int32_t a0, a1; /* activations 8 v .. 8 v + 3 and 8 v + 4 .. 8 v + 7 of the sub-block */
-                memcpy(&a0, xq[j] + sb * SB + 8 * v, 4), memcpy(&a1, xq[j] + sb * SB + 8 * v + 4, 4);
-#if KV_VNNI
-                d[j] = dot_u8s8(dot_u8s8(d[j], lo, _mm256_set1_epi32(a0)), hi, _mm256_set1_epi32(a1));
-#else
-                d[j] = _mm256_add_epi16(_mm256_add_epi16(d[j], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(a0))),
-                                        _mm256_maddubs_epi16(hi, _mm256_set1_epi32(a1)));
-#endif
-            }
-        }
+        tile_sums(rm, q, xq, (size_t)sb * SB, d);
         const size_t f = f0 + (size_t)sb * TILE;
         const size_t kf = aff == 3 ? k_fig_at(l, n0, sb) : 0;
         __m256 w = aff == 3 ? _mm256_mul_ps(_mm256_loadu_ps(l->kd + kf), load_u8x8(l->ksc + f))
@@ -206,12 +242,7 @@ static inline __attribute__((always_inline)) void qtile_w(const int aff, const i
                     : l->sym   ? zs
                                : _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(l->z + f))));
         for (int j = 0; j < rm; j++) {
-#if KV_VNNI
             __m256 x = _mm256_mul_ps(_mm256_cvtepi32_ps(d[j]), _mm256_broadcast_ss(sa[j] + sb));
-#else
-            __m256 x = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(d[j], _mm256_set1_epi16(1))),
-                                     _mm256_broadcast_ss(sa[j] + sb));
-#endif
             __m256 cj = _mm256_broadcast_ss(c[j] + sb);
             if (aff) /* w * sa * dot + m * c */
                 acc[j] = _mm256_fmadd_ps(mn, cj, _mm256_fmadd_ps(x, w, acc[j]));

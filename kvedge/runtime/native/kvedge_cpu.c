@@ -88,9 +88,11 @@ int kv_simd(void) {
 #define SB 32 /* input channels per sub-block */
 /* Weight rows are fetched this far ahead into L2 (prefetcht1): faster than 4 KiB ahead into L1, and far faster
  * than no software prefetch (docs/benchmarks.md). 4-bit tiles are one contiguous run per thread, which the
- * hardware prefetchers follow: they are fetched one tile ahead only (0 bytes), which was faster than 16 KiB. */
+ * hardware prefetchers follow, and prefetch instructions among their loads slowed the stream: by default (-1)
+ * a thread fetches only the head of its next run (fetch_head); 0 or more fetches that far (at least a tile)
+ * ahead in the stream too. */
 #ifndef TILE_PREFETCH_BYTES
-#define TILE_PREFETCH_BYTES 0
+#define TILE_PREFETCH_BYTES -1
 #endif
 #ifndef PREFETCH_BYTES
 #define PREFETCH_BYTES 16384
@@ -758,7 +760,7 @@ static inline int my_rows(const kv_linear *l, int *n0, int *n1) {
     int u = unit(l), units = (l->n + u - 1) / u, t0, t1;
     span(0, units, &t0, &t1);
     *n0 = t0 * u, *n1 = t1 * u < l->n ? t1 * u : l->n;
-    size_t bytes = tiled(l) ? TILE_PREFETCH_BYTES : PREFETCH_BYTES;
+    size_t bytes = tiled(l) ? (TILE_PREFETCH_BYTES > 0 ? TILE_PREFETCH_BYTES : 0) : PREFETCH_BYTES;
     return ((int)(bytes / row_bytes(l)) + u) / u * u;
 }
 
@@ -793,7 +795,7 @@ static void linear_rows(const kv_linear *l, int m, const float *x, float *y, int
     const int u = unit(l);
     for (int n0 = n_start; n0 < n_end; n0 += u) {
         int rows = l->n - n0 < u ? l->n - n0 : u;
-        if (n0 + ahead < n_end) /* decode streams every weight once: fetch ahead */
+        if ((!tiled(l) || TILE_PREFETCH_BYTES >= 0) && n0 + ahead < n_end) /* decode streams every weight once */
             fetch_rows(l, n0 + ahead, n0 + ahead + u < n_end ? n0 + ahead + u : n_end);
         if (more) fetch_some(more, share);
         if (tiled(l)) { /* TILE_RM quantized rows at a time: a row's two planes (p2) are rows 2r, 2r + 1 */
