@@ -637,6 +637,7 @@ static inline void span(int rep, int n, int *r0, int *r1) {
  * the count, moves the phase on and wakes the sleepers. team_barrier: the current parallel region's. */
 typedef struct {
     atomic_int arrived, phase, sleepers;
+    atomic_int pool; /* the next chunk of a projection's pooled units (linear_rows); 0 again at every barrier */
 } kv_barrier;
 static _Thread_local kv_barrier *team_barrier;
 #ifndef SPIN_NS
@@ -678,11 +679,15 @@ static void phase_wake(atomic_int *phase) {
 
 static void sync_team(void) {
     int n = omp_get_num_threads();
-    if (n == 1) return;
     kv_barrier *b = team_barrier;
+    if (n == 1) {
+        atomic_store_explicit(&b->pool, 0, memory_order_relaxed);
+        return;
+    }
     int phase = atomic_load_explicit(&b->phase, memory_order_relaxed); /* read before arriving: it cannot move on */
     if (atomic_fetch_add(&b->arrived, 1) == n - 1) {
         atomic_store_explicit(&b->arrived, 0, memory_order_relaxed);
+        atomic_store_explicit(&b->pool, 0, memory_order_relaxed);
         atomic_store(&b->phase, phase + 1);
         if (atomic_load(&b->sleepers)) phase_wake(&b->phase); /* a sleeper counted after this load sees the phase */
         return;
@@ -755,10 +760,17 @@ static void fetch_some(kv_fetch *f, size_t bytes) {
 /* the weight rows a kernel call computes: a 4-bit tile, or ROWS rows of another linear */
 static inline int unit(const kv_linear *l) { return tiled(l) ? TILE : ROWS; }
 
-/* this thread's weight rows [*n0, *n1) of l (whole units), and how many rows it fetches ahead */
+/* A projection's last units are pooled: each thread streams its static share of the others, one contiguous run,
+ * then takes chunks of the pool as it finishes, so that a thread slowed for a while (another process, a slower
+ * share of memory) does not keep the team waiting at the barrier. */
+#define POOL_SHARE 8  /* 1 / POOL_SHARE of the units, */
+#define POOL_CHUNKS 4 /* in POOL_CHUNKS chunks per thread */
+static inline int pooled_units(int units) { return units / POOL_SHARE; }
+
+/* this thread's static weight rows [*n0, *n1) of l (whole units), and how many rows it fetches ahead */
 static inline int my_rows(const kv_linear *l, int *n0, int *n1) {
     int u = unit(l), units = (l->n + u - 1) / u, t0, t1;
-    span(0, units, &t0, &t1);
+    span(0, units - pooled_units(units), &t0, &t1);
     *n0 = t0 * u, *n1 = t1 * u < l->n ? t1 * u : l->n;
     size_t bytes = tiled(l) ? (TILE_PREFETCH_BYTES > 0 ? TILE_PREFETCH_BYTES : 0) : PREFETCH_BYTES;
     return ((int)(bytes / row_bytes(l)) + u) / u * u;
@@ -771,8 +783,55 @@ static void fetch_head(const kv_linear *l) {
     fetch_rows(l, n0, n0 + ahead < n1 ? n0 + ahead : n1);
 }
 
-/* y[m][n] = x[m] . W[n] (+ bias) for m rows; called inside a parallel region (units of W's rows, unit()
- * split between the threads), it ends with a barrier. xq, sa, c: scratch for 2m rows (2m * k bytes,
+/* y's columns [n0, n0 + unit(l)) for the m rows of x, from their quantized form (xq, sa, c; planes: p2) */
+static void unit_rows(const kv_linear *l, int m, int n0, const float *x, float *y, int ldy, const int8_t *xq,
+                      const float *sa, const float *c) {
+    const int u = unit(l), st = sub_stride(l->k), p2 = l->planes == 2 && !l->w;
+    int rows = l->n - n0 < u ? l->n - n0 : u;
+    if (tiled(l)) { /* TILE_RM quantized rows at a time: a row's two planes (p2) are rows 2r, 2r + 1 */
+        int qm = p2 ? 2 * m : m;
+        for (int r = 0; r < qm; r += TILE_RM) {
+            int rm = qm - r < TILE_RM ? qm - r : TILE_RM;
+            float out[TILE_RM * TILE];
+            const int8_t *xs[TILE_RM];
+            const float *ss[TILE_RM], *cc[TILE_RM];
+            for (int j = 0; j < rm; j++)
+                xs[j] = xq + (size_t)(r + j) * l->k, ss[j] = sa + (size_t)(r + j) * st, cc[j] = c + (size_t)(r + j) * st;
+            qtile(l, rm, n0, xs, ss, cc, out);
+            for (int j = 0; j < rm; j += 1 + p2)
+                for (int i = 0; i < rows; i++) {
+                    float v = out[j * TILE + i];
+                    if (p2) v += out[(j + 1) * TILE + i]; /* the planes' dot products add up to their row's */
+                    y[(size_t)((r + j) >> p2) * ldy + n0 + i] = v + (l->bias ? l->bias[n0 + i] : 0.f);
+                }
+        }
+        return;
+    }
+    for (int r = 0; r < m; r += 2 - p2) { /* two rows at once, or one row's two planes */
+        int rm = r + 1 < m || p2 ? 2 : 1, qr = p2 ? 2 * r : r; /* qr: the first quantized row */
+        float out[2 * ROWS];
+        if (l->w) {
+            for (int j = 0; j < rm; j++)
+                for (int i = 0; i < rows; i++)
+                    out[j * ROWS + i] = fdot(x + (size_t)(r + j) * l->k, l->w + (size_t)(n0 + i) * l->k, l->k);
+        } else {
+            const int8_t *xs[2] = {xq + (size_t)qr * l->k, xq + (size_t)(qr + rm - 1) * l->k};
+            const float *ss[2] = {sa + (size_t)qr * st, sa + (size_t)(qr + rm - 1) * st};
+            const float *cc[2] = {c + (size_t)qr * st, c + (size_t)(qr + rm - 1) * st};
+            qdot_rows(l, rm, n0, xs, ss, cc, out);
+            if (p2) { /* the planes' dot products add up to row r's */
+                for (int i = 0; i < rows; i++) out[i] += out[ROWS + i];
+                rm = 1;
+            }
+        }
+        for (int j = 0; j < rm; j++)
+            for (int i = 0; i < rows; i++)
+                y[(size_t)(r + j) * ldy + n0 + i] = out[j * ROWS + i] + (l->bias ? l->bias[n0 + i] : 0.f);
+    }
+}
+
+/* y[m][n] = x[m] . W[n] (+ bias) for m rows; called inside a parallel region (units of W's rows, unit(), split
+ * between the threads: a static run each, then the pool), it ends with a barrier. xq, sa, c: scratch for 2m rows (2m * k bytes,
  * 2m * sub_stride(k) floats: an int16 linear's two planes per row); with rep, this thread's own. next: the projection that follows, whose weight
  * stream this thread starts before the barrier. more (or NULL): ranges fetched along the way. */
 static void linear_rows(const kv_linear *l, int m, const float *x, float *y, int ldy, int8_t *xq, float *sa,
@@ -792,51 +851,19 @@ static void linear_rows(const kv_linear *l, int m, const float *x, float *y, int
             quantize_row(xr, l->k, l->bits, xq + (size_t)r * l->k, sa + (size_t)r * st, c + (size_t)r * st);
     }
     if (!rep) sync_team(); /* every row's input (and its quantization) is complete before any tile reads it */
-    const int u = unit(l);
-    for (int n0 = n_start; n0 < n_end; n0 += u) {
-        int rows = l->n - n0 < u ? l->n - n0 : u;
-        if ((!tiled(l) || TILE_PREFETCH_BYTES >= 0) && n0 + ahead < n_end) /* decode streams every weight once */
-            fetch_rows(l, n0 + ahead, n0 + ahead + u < n_end ? n0 + ahead + u : n_end);
-        if (more) fetch_some(more, share);
-        if (tiled(l)) { /* TILE_RM quantized rows at a time: a row's two planes (p2) are rows 2r, 2r + 1 */
-            int qm = p2 ? 2 * m : m;
-            for (int r = 0; r < qm; r += TILE_RM) {
-                int rm = qm - r < TILE_RM ? qm - r : TILE_RM;
-                float out[TILE_RM * TILE];
-                const int8_t *xs[TILE_RM];
-                const float *ss[TILE_RM], *cc[TILE_RM];
-                for (int j = 0; j < rm; j++)
-                    xs[j] = xq + (size_t)(r + j) * l->k, ss[j] = sa + (size_t)(r + j) * st, cc[j] = c + (size_t)(r + j) * st;
-                qtile(l, rm, n0, xs, ss, cc, out);
-                for (int j = 0; j < rm; j += 1 + p2)
-                    for (int i = 0; i < rows; i++) {
-                        float v = out[j * TILE + i];
-                        if (p2) v += out[(j + 1) * TILE + i]; /* the planes' dot products add up to their row's */
-                        y[(size_t)((r + j) >> p2) * ldy + n0 + i] = v + (l->bias ? l->bias[n0 + i] : 0.f);
-                    }
-            }
-            continue;
+    const int u = unit(l), units = (l->n + u - 1) / u, first = units - pooled_units(units);
+    const int per = (units - first + POOL_CHUNKS * omp_get_num_threads() - 1) / (POOL_CHUNKS * omp_get_num_threads());
+    for (int chunk = -1; chunk < 0 || first + chunk * per < units; /* the static run, then chunks of the pool */
+         chunk = atomic_fetch_add_explicit(&team_barrier->pool, 1, memory_order_relaxed)) {
+        if (chunk >= 0) {
+            int c1 = first + (chunk + 1) * per;
+            n_start = (first + chunk * per) * u, n_end = c1 < units ? c1 * u : l->n;
         }
-        for (int r = 0; r < m; r += 2 - p2) { /* two rows at once, or one row's two planes */
-            int rm = r + 1 < m || p2 ? 2 : 1, qr = p2 ? 2 * r : r; /* qr: the first quantized row */
-            float out[2 * ROWS];
-            if (l->w) {
-                for (int j = 0; j < rm; j++)
-                    for (int i = 0; i < rows; i++)
-                        out[j * ROWS + i] = fdot(x + (size_t)(r + j) * l->k, l->w + (size_t)(n0 + i) * l->k, l->k);
-            } else {
-                const int8_t *xs[2] = {xq + (size_t)qr * l->k, xq + (size_t)(qr + rm - 1) * l->k};
-                const float *ss[2] = {sa + (size_t)qr * st, sa + (size_t)(qr + rm - 1) * st};
-                const float *cc[2] = {c + (size_t)qr * st, c + (size_t)(qr + rm - 1) * st};
-                qdot_rows(l, rm, n0, xs, ss, cc, out);
-                if (p2) { /* the planes' dot products add up to row r's */
-                    for (int i = 0; i < rows; i++) out[i] += out[ROWS + i];
-                    rm = 1;
-                }
-            }
-            for (int j = 0; j < rm; j++)
-                for (int i = 0; i < rows; i++)
-                    y[(size_t)(r + j) * ldy + n0 + i] = out[j * ROWS + i] + (l->bias ? l->bias[n0 + i] : 0.f);
+        for (int n0 = n_start; n0 < n_end; n0 += u) {
+            if ((!tiled(l) || TILE_PREFETCH_BYTES >= 0) && n0 + ahead < n_end) /* decode streams every weight once */
+                fetch_rows(l, n0 + ahead, n0 + ahead + u < n_end ? n0 + ahead + u : n_end);
+            if (more) fetch_some(more, share);
+            unit_rows(l, m, n0, x, y, ldy, xq, sa, c);
         }
     }
     if (next) fetch_head(next);
@@ -849,7 +876,7 @@ int kv_linear_forward(const kv_linear *l, int m, const float *x, float *y, int t
     int8_t *xq = malloc((size_t)2 * m * l->k);
     float *sa = malloc(sizeof(float) * 2 * (size_t)m * st), *c = malloc(sizeof(float) * 2 * (size_t)m * st);
     if (!xq || !sa || !c) return -1;
-    kv_barrier bar = {0, 0, 0};
+    kv_barrier bar = {0, 0, 0, 0};
 #pragma omp parallel num_threads(threads)
     {
         team_barrier = &bar;
@@ -1507,7 +1534,7 @@ void kv_forward(const kv_model *m, int B, int L, const int64_t *ids, const int64
     float *x = (float *)(base + at[S_X]), *h = (float *)(base + at[S_H]), *sa = (float *)(base + at[S_SA]);
     float *c = (float *)(base + at[S_C]), *scores = (float *)(base + at[S_SCORES]), *deq = (float *)(base + at[S_DEQ]);
     int8_t *xq = (int8_t *)(base + at[S_XQ]);
-    kv_barrier bar = {0, 0, 0};
+    kv_barrier bar = {0, 0, 0, 0};
 #pragma omp parallel num_threads(threads)
     {
         team_barrier = &bar;
