@@ -168,7 +168,8 @@ static inline __attribute__((always_inline)) void qdot_rows_w(const int aff, con
  * xq[j] + off, for j < rm: lane i row i's. Each of the tile's 4 vectors gives a low and a high nibble vector,
  * each multiplied by 4 activations broadcast to all lanes. With AVX512-VNNI, two vectors fill one 512-bit
  * register and a permute of the 32 activations puts each half's 4 in place: half the instructions a weight
- * byte, which bound prefill. Without VNNI: 8 maddubs pairs of at most 2 * 15 * 127 each, added in int16 (within 8 * 3810), widened once. */
+ * byte, which bound prefill. Without VNNI: 8 maddubs pairs of at most 2 * 15 * 127 each, added in int16
+ * (within 8 * 3810), widened once. */
 static inline __attribute__((always_inline)) void tile_sums(const int rm, const uint8_t *q, const int8_t *const *xq,
                                                             size_t off, __m256i *d) {
 #if KV_ZMM

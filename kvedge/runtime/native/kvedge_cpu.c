@@ -760,9 +760,9 @@ static void fetch_some(kv_fetch *f, size_t bytes) {
 /* the weight rows a kernel call computes: a 4-bit tile, or ROWS rows of another linear */
 static inline int unit(const kv_linear *l) { return tiled(l) ? TILE : ROWS; }
 
-/* A projection's last units are pooled: each thread streams its static share of the others, one contiguous run,
- * then takes chunks of the pool as it finishes, so that a thread slowed for a while (another process, a slower
- * share of memory) does not keep the team waiting at the barrier. */
+/* A projection's last units are pooled: each thread first streams its static share of the other units, one
+ * contiguous run, then takes chunks of the pool until none is left, so that a thread slowed for a while (another
+ * process, a slower share of memory) does not keep the team waiting at the barrier. */
 #define POOL_SHARE 8  /* 1 / POOL_SHARE of the units, */
 #define POOL_CHUNKS 4 /* in POOL_CHUNKS chunks per thread */
 static inline int pooled_units(int units) { return units / POOL_SHARE; }
