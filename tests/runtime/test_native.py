@@ -34,10 +34,16 @@ from tests.conftest import ARCH_CASES, MAX_SEQ, MLA_CASES
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
                                 reason="the native engine needs a C compiler")
 
-# The kernels each build compiles: AVX-VNNI where the CPU has it (-march=native), AVX2 without VNNI, portable C.
+# The kernels each build compiles: the CPU's best (-march=native: AVX512-VNNI, whose 4-bit tiles take 512-bit
+# registers, or AVX-VNNI), AVX-VNNI's 256-bit kernels where a CPU with AVX512-VNNI has them too, AVX2 without
+# VNNI, portable C.
 BUILDS = {"native": FLAGS}
 if platform.machine() in ("x86_64", "AMD64"):
+    _CPU = {f for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")
+            for f in ln.split(":", 1)[1].split()} if Path("/proc/cpuinfo").is_file() else set()
     BUILDS["avx2"] = tuple(f for f in FLAGS if f != "-march=native") + ("-mavx2", "-mfma", "-mf16c")
+    if {"avx_vnni", "avx512_vnni"} <= _CPU:
+        BUILDS["avx-vnni"] = BUILDS["avx2"] + ("-mavxvnni",)
     BUILDS["portable"] = tuple(f for f in FLAGS if f != "-march=native")
 
 
@@ -65,13 +71,11 @@ def test_each_build_runs_the_kernels_it_is_meant_to(engine, request):
     """The vector kernels need AVX2, FMA and F16C; a build that silently fell back to portable C would pass
     every numeric test here and be several times slower."""
     build = request.node.callspec.params["engine"]
-    flags = set()
-    if Path("/proc/cpuinfo").is_file():
-        flags = {f for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")
-                 for f in ln.split(":", 1)[1].split()}
-    vector = build == "avx2" or (build == "native" and {"avx2", "fma", "f16c"} <= flags)
+    flags = _CPU if platform.machine() in ("x86_64", "AMD64") else set()
+    vector = build in ("avx2", "avx-vnni") or (build == "native" and {"avx2", "fma", "f16c"} <= flags)
     vnni = 3 if {"avx512_vnni", "avx512vl"} <= flags else 2 if "avx_vnni" in flags else 1
-    assert engine.kv_simd() == (0 if not vector else vnni if build == "native" else 1)  # a build that lost VNNI fails
+    expected = {"avx2": 1, "avx-vnni": 2, "native": vnni}.get(build, 0) if vector else 0
+    assert engine.kv_simd() == expected  # a build that lost VNNI fails
 
 
 def test_the_compile_cache_key_covers_every_file_the_engine_includes():
@@ -403,10 +407,12 @@ def _attr(node, name: str) -> int:
     return next(a.i for a in node.attribute if a.name == name)
 
 
-def test_odd_thread_counts_and_wide_batches_split_the_work_correctly(hf_checkpoint):
-    """3 threads on 2 cores, and a batch of 5 whose decode steps take the split (not replicated) path."""
+@pytest.mark.parametrize("threads", [1, 3])
+def test_odd_thread_counts_and_wide_batches_split_the_work_correctly(hf_checkpoint, threads):
+    """3 threads on 2 cores, and a batch of 5 whose decode steps take the split (not replicated) path; and a team
+    of one, which takes every chunk of each projection's pooled units itself (the pool starts again each time)."""
     path, _ = hf_checkpoint("qwen2-bias")
-    native = load(path, backend="native", quantize=None, max_batch=5, max_seq_len=MAX_SEQ, threads=3)
+    native = load(path, backend="native", quantize=None, max_batch=5, max_seq_len=MAX_SEQ, threads=threads)
     ref = load(path, backend="torch", max_batch=5, max_seq_len=MAX_SEQ, device="cpu")
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(3, 160, (n,), generator=g).tolist() for n in (3, 9, 14, 6, 1)]
