@@ -295,6 +295,36 @@ LINEARS = ("qkv", "o", "up", "down")  # qkv first: it may have a tail (_GGUFWeig
 GGUF_TYPES = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2, "Q5_0": 3, "Q5_1": 4, "Q4_K": 5, "Q5_K": 6, "Q6_K": 7}
 
 
+def pack_gguf(dll: ctypes.CDLL, kind: str, rows: np.ndarray, k: int, keep: _Keep, activations: str = "int8",
+              threads: int = 1, bias: int = 0, what: str = "a tensor") -> Linear:
+    """A linear of GGUF blocks of type kind (a GGUF_TYPES name) packed by kv_pack_gguf into the engine's layout:
+    rows [n] uint64 holds the address where each row's blocks start (the rows of k inputs, in the order the
+    linear takes them); the blocks are read, never kept."""
+    from kvedge.models.gguf import QUANT_TYPES
+
+    bits, _, affine, zero = QUANT_TYPES[kind]
+    bits = 6 if kind == "Q6_K" else bits
+    n = len(rows)
+    figs = dll.kv_figures(n, k, bits)
+    # 4-bit tiles: 16 bytes a figure (32 channels of a row); other types a byte a weight
+    lin = Linear(n=n, k=k, bits=bits, sym=int(not affine), zsym=float(zero or 2 ** (bits - 1)), bias=bias,
+                 planes=ACTIVATIONS[activations],
+                 q=keep(torch.empty({4: 16 * figs}.get(bits, n * k), dtype=torch.uint8)))
+    if kind == "Q6_K":  # int8 scales per 16 channels, d per 256
+        lin.sc16, lin.d256 = keep(torch.empty(2 * figs, dtype=torch.int8)), keep(torch.empty(figs // 8))
+    elif kind == "Q4_K":  # the file's 6-bit scales and mins, d and dmin per 256: d * sc computed in the kernel
+        lin.ksc, lin.kd = keep(torch.empty(2 * figs, dtype=torch.uint8)), keep(torch.empty(2 * (figs // 8)))
+    elif kind.endswith("_K"):  # float32 d * sc and dmin * m
+        lin.s32, lin.mins32 = keep(torch.empty(figs)), keep(torch.empty(figs))
+    else:
+        lin.s = keep(torch.empty(figs, dtype=torch.int16))
+        lin.mins = keep(torch.empty(figs, dtype=torch.int16) if affine else None)
+    rows = np.ascontiguousarray(rows, dtype=np.uint64)
+    if dll.kv_pack_gguf(ctypes.byref(lin), GGUF_TYPES[kind], rows.ctypes.data, threads):
+        raise KvedgeError(f"kv_pack_gguf refused {what} ({kind}, {n}x{k})")
+    return lin
+
+
 class _DecoderWeights:
     """The engine's weights from a built Decoder (a checkpoint loaded, and quantized, by kvedge.models)."""
 
@@ -387,34 +417,18 @@ class _GGUFWeights:
         return self._pack(names, kind, bias)
 
     def _pack(self, names: tuple[str, ...], kind: str, bias: int) -> Linear:
-        bits, _, affine, zero = self.gguf.QUANT_TYPES[kind]
-        bits = 6 if kind == "Q6_K" else bits
-        g, keep = self.g, self.keep
+        g = self.g
         rows = []
         for name in names:  # each row's first block in the map, Q/K permutation undone by taking rows in order
             t, (n, _) = g.tensors[name], g.shape(name)
             order = self.gguf.row_order(g, name, self.cfg, n)
             rows.append(t.data.ctypes.data + (np.arange(n) if order is None else order) * (t.n_bytes // n))
         rows = np.ascontiguousarray(np.concatenate(rows), dtype=np.uint64)
-        n, k = len(rows), g.shape(names[0])[1]
-        figs = self.dll.kv_figures(n, k, bits)
-        lin = Linear(n=n, k=k, bits=bits, sym=int(not affine), zsym=float(zero or 2 ** (bits - 1)), bias=bias,
-                     planes=ACTIVATIONS[self.activations],
-                     q=keep(torch.empty(figs * 16 if bits == 4 else n * k, dtype=torch.uint8)))
-        if kind == "Q6_K":  # int8 scales per 16 channels, d per 256
-            lin.sc16, lin.d256 = keep(torch.empty(2 * figs, dtype=torch.int8)), keep(torch.empty(figs // 8))
-        elif kind == "Q4_K":  # the file's 6-bit scales and mins, d and dmin per 256: d * sc computed in the kernel
-            lin.ksc, lin.kd = keep(torch.empty(2 * figs, dtype=torch.uint8)), keep(torch.empty(2 * (figs // 8)))
-        elif kind.endswith("_K"):  # float32 d * sc and dmin * m
-            lin.s32, lin.mins32 = keep(torch.empty(figs)), keep(torch.empty(figs))
-        else:
-            lin.s = keep(torch.empty(figs, dtype=torch.int16))
-            lin.mins = keep(torch.empty(figs, dtype=torch.int16) if affine else None)
         for name in names:
             t = g.tensors[name]
             g.reader.populate(t.data_offset, t.data_offset + t.n_bytes)
-        if self.dll.kv_pack_gguf(ctypes.byref(lin), GGUF_TYPES[kind], rows.ctypes.data, self.threads):
-            raise KvedgeError(f"kv_pack_gguf refused {', '.join(names)} ({kind}, {n}x{k})")
+        lin = pack_gguf(self.dll, kind, rows, g.shape(names[0])[1], self.keep, self.activations, self.threads, bias,
+                        what=", ".join(names))
         self._release(names)
         return lin
 

@@ -194,6 +194,35 @@ def test_affine_linear_equals_the_activation_formula(engine, figures, activation
         torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
 
 
+@pytest.mark.parametrize("kind", ["Q4_K", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("activations", ["int8", "int16"])
+@pytest.mark.parametrize("n,k", [(8, 256), (13, 512), (40, 2304), (3, 768)])
+def test_gguf_k_quant_blocks_equal_the_activation_formula(engine, kind, activations, n, k):
+    """A K-quant's blocks packed by kv_pack_gguf (Q4_K tiles with the file's 6-bit figures, Q5_K's float32 ones,
+    Q6_K's 6-bit tiles with int8 scales per 16 channels) against gguf's own dequantizer: fake_quant(x) @ w.T up to
+    float rounding, for 1 to 5 activation rows, several super-blocks and a partial last tile."""
+    import gguf
+
+    from kvedge.runtime.native_backend import pack_gguf
+    from tests.gguf_files import random_kquant_blocks
+
+    rng = np.random.default_rng(n * k)
+    blocks = random_kquant_blocks(kind, n * k // 256, rng).reshape(n, -1)
+    w = torch.from_numpy(gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType[kind]).astype(np.float32))
+    assert w.shape == (n, k)
+    keep = _Keep()
+    lin = pack_gguf(engine, kind, blocks.ctypes.data + np.arange(n, dtype=np.uint64) * blocks.shape[1], k, keep,
+                    activations, threads=2)
+    del blocks  # the engine holds its own copy
+    for m in (1, 2, 3, 5):
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)) * torch.linspace(0.1, 3, k)
+        x[0, 32:64] = 0  # an all-zero sub-block has scale 0
+        y = torch.empty(m, n)
+        assert engine.kv_linear_forward(ctypes.byref(lin), m, x.data_ptr(), y.data_ptr(), 2) == 0
+        ref = fake_quant(x, LEVELS[activations]) @ w.T
+        torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
+
+
 def test_pack_refuses_scales_it_cannot_run_as_they_are(engine):
     """A zero-point linear's scales are kept as float16 (affine blocks' take float32 where they must)."""
     mod = quant_linear(torch.randn(4, 64), 4, 32, True)
