@@ -306,10 +306,10 @@ def pack_gguf(dll: ctypes.CDLL, kind: str, rows: np.ndarray, k: int, keep: _Keep
     bits = 6 if kind == "Q6_K" else bits
     n = len(rows)
     figs = dll.kv_figures(n, k, bits)
-    # 4-bit tiles: 16 bytes a figure (32 channels of a row); other types a byte a weight
+    # 4-bit and 6-bit tiles: 16 and 24 bytes a figure (32 channels of a row); other types a byte a weight
     lin = Linear(n=n, k=k, bits=bits, sym=int(not affine), zsym=float(zero or 2 ** (bits - 1)), bias=bias,
                  planes=ACTIVATIONS[activations],
-                 q=keep(torch.empty({4: 16 * figs}.get(bits, n * k), dtype=torch.uint8)))
+                 q=keep(torch.empty({4: 16 * figs, 6: 24 * figs}.get(bits, n * k), dtype=torch.uint8)))
     if kind == "Q6_K":  # int8 scales per 16 channels, d per 256
         lin.sc16, lin.d256 = keep(torch.empty(2 * figs, dtype=torch.int8)), keep(torch.empty(figs // 8))
     elif kind == "Q4_K":  # the file's 6-bit scales and mins, d and dmin per 256: d * sc computed in the kernel

@@ -27,9 +27,10 @@ import numpy as np
 import pytest
 import torch
 
-from kvedge.runtime.native_backend import NativeBackend, _Keep, arm_march, compile_engine, expected_kernels, pack_linear
+from kvedge.runtime.native_backend import (NativeBackend, _Keep, arm_march, compile_engine, expected_kernels, pack_gguf,
+                                         pack_linear)
 from kvedge.runtime.native_dump import FORWARD, HELPERS, LAYOUT, LINEAR, SIMD, Dump, dump_backend, parse_layout
-from tests.gguf_files import save_hf_checkpoint, write_gguf
+from tests.gguf_files import random_kquant_blocks, save_hf_checkpoint, write_gguf
 from tests.runtime.test_native import affine_linear, quant_linear
 
 CC, QEMU = shutil.which("aarch64-linux-gnu-gcc"), shutil.which("qemu-aarch64") or shutil.which("qemu-aarch64-static")
@@ -118,6 +119,14 @@ def _linears(engine):
                 lin = torch.nn.Linear(256, 20)
                 mod = affine_linear(lin, bits, 32, g, k_quant=k_quant)
                 out.append((f"affine int{bits} k_quant={k_quant} {act}", pack_linear(engine, mod, keep, act), keep))
+    rng = np.random.default_rng(0)
+    for kind in ("Q4_K", "Q5_K", "Q6_K"):  # GGUF's K-quant blocks as kv_pack_gguf packs them
+        for n, k in ((13, 512), (8, 256)):
+            blocks = random_kquant_blocks(kind, n * k // 256, rng).reshape(n, -1)
+            for act in ("int8", "int16"):
+                keep = _Keep()
+                rows = blocks.ctypes.data + np.arange(n, dtype=np.uint64) * blocks.shape[1]
+                out.append((f"{kind} {n}x{k} {act}", pack_gguf(engine, kind, rows, k, keep, act), keep))
     return out
 
 

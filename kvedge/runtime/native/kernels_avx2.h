@@ -254,62 +254,95 @@ static inline __attribute__((always_inline)) void qtile_w(const int aff, const i
     for (int j = 0; j < rm; j++) _mm256_storeu_ps(out + j * TILE, acc[j]);
 }
 
-/* acc + the sums of each 4 adjacent products w * s of signed bytes, |w| <= 32 (maddubs of |w| and s with w's sign,
- * pairs within int16) */
-static inline __m256i dot_s8s8(__m256i acc, __m256i w, __m256i s) {
-    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(s, w)),
-                                                   _mm256_set1_epi16(1)));
+/* The 6-bit values of a tile's vector from its nibbles b and its high-bit plane h (the plane's bits `at` and
+ * at + 2 for the low and the high nibbles: 0 for the sub-block's first 64 nibble bytes, 4 for the last 64) */
+#if KV_ZMM
+static inline void six_bits(__m512i b, __m512i h, const int at, __m512i *lo, __m512i *hi) {
+    const __m512i m = _mm512_set1_epi8(0x0F), top = _mm512_set1_epi8(0x30);
+    __m512i hl = at == 0 ? _mm512_slli_epi16(h, 4) : h, hh = at == 0 ? _mm512_slli_epi16(h, 2) : _mm512_srli_epi16(h, 2);
+    *lo = _mm512_or_si512(_mm512_and_si512(b, m), _mm512_and_si512(hl, top));
+    *hi = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(b, 4), m), _mm512_and_si512(hh, top));
+}
+#endif
+static inline void six_bits256(__m256i b, __m256i h, const int at, __m256i *lo, __m256i *hi) {
+    const __m256i m = _mm256_set1_epi8(0x0F), top = _mm256_set1_epi8(0x30);
+    __m256i hl = at == 0 ? _mm256_slli_epi16(h, 4) : h, hh = at == 0 ? _mm256_slli_epi16(h, 2) : _mm256_srli_epi16(h, 2);
+    *lo = _mm256_or_si256(_mm256_and_si256(b, m), _mm256_and_si256(hl, top));
+    *hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b, 4), m), _mm256_and_si256(hh, top));
 }
 
-/* out[j * ROWS + i] = row n0 + i of a bits-6 linear (GGUF's Q6_K: signed q - 32, a scale per 16 channels, d per
- * chunk of 8 sub-blocks) . activation row j, for j < rm (1 or 2). As chunk_sums, a pair of sub-blocks makes the
- * vectors A and B; their sums stay apart (each is one half of each sub-block), are reduced in kv_slot order, and
- * each half's integer sum is multiplied by its integer scale before anything is converted to float. */
-static inline __attribute__((always_inline)) void q6_rows_w(const kv_linear *l, const int rm, int n0,
-                                                            const int8_t *const *xq, const float *const *sa,
-                                                            float *out) {
-    const int nsb = l->k / SB, st = sub_stride(l->k);
-    const int8_t *q[ROWS], *sc[ROWS];
-    const float *dr[ROWS];
-    __m256 acc[ROWS][2];
-    for (int i = 0; i < ROWS; i++) {
-        size_t row = (size_t)(n0 + i < l->n ? n0 + i : l->n - 1);
-        q[i] = (const int8_t *)l->q + row * l->k, sc[i] = l->sc16 + 2 * row * st, dr[i] = l->d256 + row * (st / 8);
-        acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+/* tile_sums for a 6-bit tile's sub-block (its 192 bytes at q), the values unsigned (0..63), the sums of its first
+ * 16 channels (vectors 0 and 1) in da and of its last 16 in db apart, as each half has its own scale. Without
+ * VNNI, a vector's two maddubs (each pair within 2 * 63 * 127) add within int16 and are widened at once. */
+static inline __attribute__((always_inline)) void tile6_sums(const int rm, const uint8_t *q, const int8_t *const *xq,
+                                                             size_t off, __m256i *da, __m256i *db) {
+#if KV_ZMM
+    const __m512i lo0 = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2);
+    const __m512i hi0 = _mm512_setr_epi32(1, 1, 1, 1, 1, 1, 1, 1, 3, 3, 3, 3, 3, 3, 3, 3);
+    const __m512i lo1 = _mm512_add_epi32(lo0, _mm512_set1_epi32(4)), hi1 = _mm512_add_epi32(hi0, _mm512_set1_epi32(4));
+    __m512i h = _mm512_loadu_si512(q + 128), l0, h0, l1, h1;
+    six_bits(_mm512_loadu_si512(q), h, 0, &l0, &h0);
+    six_bits(_mm512_loadu_si512(q + 64), h, 4, &l1, &h1);
+    for (int j = 0; j < rm; j++) {
+        __m512i a = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(xq[j] + off)));
+        __m512i s0 = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), l0, _mm512_permutexvar_epi32(lo0, a)),
+                                         h0, _mm512_permutexvar_epi32(hi0, a));
+        __m512i s1 = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), l1, _mm512_permutexvar_epi32(lo1, a)),
+                                         h1, _mm512_permutexvar_epi32(hi1, a));
+        da[j] = _mm256_add_epi32(_mm512_castsi512_si256(s0), _mm512_extracti64x4_epi64(s0, 1));
+        db[j] = _mm256_add_epi32(_mm512_castsi512_si256(s1), _mm512_extracti64x4_epi64(s1, 1));
     }
-    const __m256i zero = _mm256_setzero_si256();
-    for (int sb = 0; sb < nsb; sb += 8) {
-        __m256 sav[2];
-        for (int j = 0; j < rm; j++) sav[j] = _mm256_loadu_ps(sa[j] + sb);
-#pragma GCC unroll 4
-        for (int i = 0; i < ROWS; i++) {
-            __m256i pa[2][4], pb[2][4];
-            for (int p = 0; p < 4; p++) {
-                const int8_t *qp = q[i] + (size_t)sb * SB + 64 * p;
-                __m256i b0 = _mm256_loadu_si256((const __m256i *)qp), b1 = _mm256_loadu_si256((const __m256i *)(qp + 32));
-                __m256i wa = _mm256_blend_epi32(b0, b1, 0xF0), wb = _mm256_permute2x128_si256(b0, b1, 0x21);
-                for (int j = 0; j < rm; j++) {
-                    const int8_t *aa = xq[j] + (size_t)sb * SB + 64 * p;
-                    pa[j][p] = dot_s8s8(zero, wa, _mm256_loadu_si256((const __m256i *)aa));
-                    pb[j][p] = dot_s8s8(zero, wb, _mm256_loadu_si256((const __m256i *)(aa + 32)));
-                }
-            }
-            const int8_t *s8 = sc[i] + 2 * sb;
-            __m256i sca = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)s8));
-            __m256i scb = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(s8 + 8)));
-            __m256 d = _mm256_set1_ps(dr[i][sb / 8]);
-            for (int j = 0; j < rm; j++) {
-                __m256i ra = _mm256_hadd_epi32(_mm256_hadd_epi32(pa[j][0], pa[j][1]), _mm256_hadd_epi32(pa[j][2], pa[j][3]));
-                __m256i rb = _mm256_hadd_epi32(_mm256_hadd_epi32(pb[j][0], pb[j][1]), _mm256_hadd_epi32(pb[j][2], pb[j][3]));
-                __m256i t = _mm256_add_epi32(_mm256_mullo_epi32(sca, ra), _mm256_mullo_epi32(scb, rb));
-                acc[i][j] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(t), sav[j]), d, acc[i][j]);
-            }
+#else
+    for (int j = 0; j < rm; j++) da[j] = db[j] = _mm256_setzero_si256();
+#pragma GCC unroll 2
+    for (int v = 0; v < 4; v++) {
+        __m256i lo, hi;
+        six_bits256(_mm256_loadu_si256((const __m256i *)(q + 32 * v)),
+                    _mm256_loadu_si256((const __m256i *)(q + 128 + 32 * (v & 1))), v < 2 ? 0 : 4, &lo, &hi);
+        for (int j = 0; j < rm; j++) {
+            int32_t a0, a1; /* activations 8 v .. 8 v + 3 and 8 v + 4 .. 8 v + 7 of the sub-block */
+            memcpy(&a0, xq[j] + off + 8 * v, 4), memcpy(&a1, xq[j] + off + 8 * v + 4, 4);
+            __m256i *d = v < 2 ? &da[j] : &db[j];
+#if KV_VNNI
+            *d = dot_u8s8(dot_u8s8(*d, lo, _mm256_set1_epi32(a0)), hi, _mm256_set1_epi32(a1));
+#else
+            __m256i t = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(a0)),
+                                         _mm256_maddubs_epi16(hi, _mm256_set1_epi32(a1)));
+            *d = _mm256_add_epi32(*d, _mm256_madd_epi16(t, _mm256_set1_epi16(1)));
+#endif
         }
     }
-    for (int j = 0; j < rm; j++) {
-        __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(acc[0][j], acc[1][j]), _mm256_hadd_ps(acc[2][j], acc[3][j]));
-        _mm_storeu_ps(out + j * ROWS, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+#endif
+}
+
+/* qtile_w for 6-bit tiles (GGUF's Q6_K): per sub-block and half, the integer sum less 32 times the activations'
+ * (act_c's half sums), times its int8 scale, both halves added before anything is converted to float, then
+ * times sa and the row's d. */
+static inline __attribute__((always_inline)) void q6_tile_w(const int rm, const kv_linear *l, int n0,
+                                                            const int8_t *const *xq, const float *const *sa,
+                                                            const float *const *c, float *out) {
+    const int nsb = l->k / SB;
+    const size_t f0 = (size_t)(n0 / TILE) * nsb * TILE;
+    const uint8_t *q = l->q + (size_t)(n0 / TILE) * nsb * 6 * 32;
+    __m256 acc[TILE_RM];
+    for (int j = 0; j < rm; j++) acc[j] = _mm256_setzero_ps();
+    for (int sb = 0; sb < nsb; sb++, q += 6 * 32) {
+        __m256i da[TILE_RM], db[TILE_RM];
+        tile6_sums(rm, q, xq, (size_t)sb * SB, da, db);
+        const int8_t *sc = l->sc16 + 2 * (f0 + (size_t)sb * TILE);
+        __m256i sca = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)sc));
+        __m256i scb = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(sc + TILE)));
+        __m256 d = _mm256_loadu_ps(l->d256 + k_fig_at(l, n0, sb));
+        for (int j = 0; j < rm; j++) {
+            uint32_t both;
+            memcpy(&both, c[j] + sb, 4);
+            __m256i ta = _mm256_sub_epi32(da[j], _mm256_set1_epi32(32 * (int16_t)(both & 0xFFFF)));
+            __m256i tb = _mm256_sub_epi32(db[j], _mm256_set1_epi32(32 * (int16_t)(both >> 16)));
+            __m256i t = _mm256_add_epi32(_mm256_mullo_epi32(sca, ta), _mm256_mullo_epi32(scb, tb));
+            acc[j] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(t), _mm256_broadcast_ss(sa[j] + sb)), d, acc[j]);
+        }
     }
+    for (int j = 0; j < rm; j++) _mm256_storeu_ps(out + j * TILE, acc[j]);
 }
 
 /* The instances of one kind of zero point (AFF: 0 uint8 or symmetric, 1 affine float16, 2 affine float32, 3 a Q4_K
@@ -330,12 +363,7 @@ static inline __attribute__((always_inline)) void q6_rows_w(const kv_linear *l, 
 /* an 8-bit linear's rows (ROWS of them from n0) against rm (1 or 2) activation rows */
 static void qdot_rows(const kv_linear *l, int rm, int n0, const int8_t *const *xq, const float *const *sa,
                       const float *const *c, float *out) {
-    if (l->sc16) {
-        if (rm == 2)
-            q6_rows_w(l, 2, n0, xq, sa, out);
-        else
-            q6_rows_w(l, 1, n0, xq, sa, out);
-    } else if (l->s32) {
+    if (l->s32) {
         QDOT_ROWS_OF(2)
     } else if (l->mins) {
         QDOT_ROWS_OF(1)
@@ -344,10 +372,17 @@ static void qdot_rows(const kv_linear *l, int rm, int n0, const int8_t *const *x
     }
 }
 
-/* a 4-bit linear's tile at row n0 against rm (1 to TILE_RM) activation rows */
+/* a 4-bit or 6-bit linear's tile at row n0 against rm (1 to TILE_RM) activation rows */
 static void qtile(const kv_linear *l, int rm, int n0, const int8_t *const *xq, const float *const *sa,
                   const float *const *c, float *out) {
-    if (l->ksc) {
+    if (l->sc16) {
+        switch (rm) {
+        case 4: q6_tile_w(4, l, n0, xq, sa, c, out); break;
+        case 3: q6_tile_w(3, l, n0, xq, sa, c, out); break;
+        case 2: q6_tile_w(2, l, n0, xq, sa, c, out); break;
+        default: q6_tile_w(1, l, n0, xq, sa, c, out);
+        }
+    } else if (l->ksc) {
         QTILE_OF(3)
     } else if (l->s32) {
         QTILE_OF(2)

@@ -76,17 +76,42 @@ static inline float32x4_t fig_apply(int aff, float32x4_t y, int32x4_t d, float s
  * one int32 lane of the activations: v's low nibbles lane 2 v % 4, its high ones the next. */
 static void qtile(const kv_linear *l, int rm, int n0, const int8_t *const *xq, const float *const *sa,
                   const float *const *c, float *out) {
-    int nsb = l->k / SB, aff = affine(l);
+    int nsb = l->k / SB, aff = affine(l), six = l->sc16 != NULL;
     size_t figs = kv_figures(l->n, l->k, l->bits);
-    const uint8_t *t = l->q + (size_t)(n0 / TILE) * nsb * 4 * 32;
+    const uint8_t *t = l->q + (size_t)(n0 / TILE) * nsb * tile_bytes(l);
     const uint8x16_t low = vdupq_n_u8(15);
     float32x4_t y[TILE_RM][2];
     for (int j = 0; j < rm; j++) y[j][0] = y[j][1] = vdupq_n_f32(0.f);
-    for (int sb = 0; sb < nsb; sb++, t += 4 * 32) {
+    for (int sb = 0; sb < nsb; sb++, t += tile_bytes(l)) {
         int8x16_t lo[8], hi[8]; /* [2 v + h]: vector v's rows 4 h .. 4 h + 3 */
         for (int e = 0; e < 8; e++) {
-            uint8x16_t w = vld1q_u8(t + 16 * e);
-            lo[e] = vreinterpretq_s8_u8(vandq_u8(w, low)), hi[e] = vreinterpretq_s8_u8(vshrq_n_u8(w, 4));
+            uint8x16_t w = vld1q_u8(t + 16 * e), wl = vandq_u8(w, low), wh = vshrq_n_u8(w, 4);
+            if (six) { /* the high bits (tile_lane), then q - 32: signed, as the dot products take them */
+                uint8x16_t h = vld1q_u8(t + 128 + 16 * (e % 4));
+                if (e >= 4) h = vshrq_n_u8(h, 4);
+                wl = vsubq_u8(vorrq_u8(wl, vshlq_n_u8(vandq_u8(h, vdupq_n_u8(3)), 4)), vdupq_n_u8(32));
+                wh = vsubq_u8(vorrq_u8(wh, vshlq_n_u8(vandq_u8(h, vdupq_n_u8(12)), 2)), vdupq_n_u8(32));
+            }
+            lo[e] = vreinterpretq_s8_u8(wl), hi[e] = vreinterpretq_s8_u8(wh);
+        }
+        if (six) {
+            for (int j = 0; j < rm; j++) {
+                int8x16_t x0 = vld1q_s8(xq[j] + sb * SB), x1 = vld1q_s8(xq[j] + sb * SB + 16);
+                for (int h = 0; h < 2; h++) { /* rows 4 h ..: the first 16 channels (x0), the last 16 (x1) */
+                    int32x4_t da = vdupq_n_s32(0), db = vdupq_n_s32(0);
+                    da = DOT_LANE(da, lo[h], x0, 0), da = DOT_LANE(da, hi[h], x0, 1);
+                    da = DOT_LANE(da, lo[2 + h], x0, 2), da = DOT_LANE(da, hi[2 + h], x0, 3);
+                    db = DOT_LANE(db, lo[4 + h], x1, 0), db = DOT_LANE(db, hi[4 + h], x1, 1);
+                    db = DOT_LANE(db, lo[6 + h], x1, 2), db = DOT_LANE(db, hi[6 + h], x1, 3);
+                    const uint8_t *sc = (const uint8_t *)l->sc16 + 2 * fig_at(l, n0, sb) + 4 * h;
+                    int32x4_t sca = vmovl_s16(vget_low_s16(vmovl_s8(vreinterpret_s8_u32(vdup_n_u32(rd32(sc))))));
+                    int32x4_t scb = vmovl_s16(vget_low_s16(vmovl_s8(vreinterpret_s8_u32(vdup_n_u32(rd32(sc + TILE))))));
+                    int32x4_t isum = vaddq_s32(vmulq_s32(sca, da), vmulq_s32(scb, db));
+                    float32x4_t t4 = vmulq_n_f32(vcvtq_f32_s32(isum), sa[j][sb]);
+                    y[j][h] = vaddq_f32(y[j][h], vmulq_f32(t4, vld1q_f32(l->d256 + k_fig_at(l, n0, sb) + 4 * h)));
+                }
+            }
+            continue;
         }
         float32x4_t w[2], mz[2];
         tile_figures(l, n0, sb, 0, figs, &w[0], &mz[0]);
@@ -106,8 +131,8 @@ static void qtile(const kv_linear *l, int rm, int n0, const int8_t *const *xq, c
     for (int j = 0; j < rm; j++) vst1q_f32(out + j * TILE, y[j][0]), vst1q_f32(out + j * TILE + 4, y[j][1]);
 }
 
-/* ROWS rows of an 8-bit (or bits-6) linear against rm (1 or 2) activation rows, each row's sub-block against the
- * activations' A and B halves (place_sub_block), the figures read as the portable path reads them */
+/* ROWS rows of an 8-bit linear against rm (1 or 2) activation rows, each row's sub-block against the activations' A
+ * and B halves (place_sub_block), the figures read as the portable path reads them */
 static void qdot_rows(const kv_linear *l, int rm, int n0, const int8_t *const *xq, const float *const *sa,
                       const float *const *c, float *out) {
     int nsb = l->k / SB, aff = affine(l);
@@ -119,17 +144,6 @@ static void qdot_rows(const kv_linear *l, int rm, int n0, const int8_t *const *x
             int pair = sb & ~1, lone = (pair + 1 == nsb), slot = act_slot(sb, l->bits);
             int half = lone ? 16 : 32, off = lone ? 0 : (sb & 1) * 16, swap = off ? 16 : 0;
             uint8x16_t wa = vld1q_u8(row + (size_t)sb * SB + swap), wb = vld1q_u8(row + (size_t)sb * SB + (16 ^ swap));
-            if (l->sc16) { /* bits 6: signed weights, each half times its own integer scale */
-                int ha = sb & 1, s_a = sc16_at(l, n, sb, ha), s_b = sc16_at(l, n, sb, !ha);
-                float d256 = l->d256[(size_t)n * (sub_stride(l->k) / 8) + sb / 8];
-                for (int j = 0; j < rm; j++) {
-                    const int8_t *base = xq[j] + pair * SB;
-                    int da = vaddvq_s32(dot4(vdupq_n_s32(0), vreinterpretq_s8_u8(wa), vld1q_s8(base + off)));
-                    int db = vaddvq_s32(dot4(vdupq_n_s32(0), vreinterpretq_s8_u8(wb), vld1q_s8(base + half + off)));
-                    y[j] += (float)(s_a * da + s_b * db) * sa[j][slot] * d256;
-                }
-                continue;
-            }
             float w = fig_scale(l, n, sb), mz = fig_min(l, n, sb);
             for (int j = 0; j < rm; j++) {
                 const int8_t *base = xq[j] + pair * SB;

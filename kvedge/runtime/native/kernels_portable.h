@@ -24,25 +24,22 @@ static float qdot_one(const kv_linear *l, int n, const int8_t *xq, const float *
     float y = 0.f;
     for (int sb = 0; sb < nsb; sb++) {
         int d = 0;
-        if (tiled(l)) { /* lane n % TILE of the tile's 4 vectors: channels 8 v + b (low nibble), 8 v + 4 + b (high) */
-            const uint8_t *t = l->q + ((size_t)(n / TILE) * nsb + sb) * 4 * 32 + (size_t)(n % TILE) * 4;
-            for (int v = 0; v < 4; v++)
-                for (int b = 0; b < 4; b++)
-                    d += (t[32 * v + b] & 15) * xq[sb * SB + 8 * v + b] + (t[32 * v + b] >> 4) * xq[sb * SB + 8 * v + 4 + b];
+        if (tiled(l)) { /* activations in channel order */
+            uint8_t v[SB];
+            tile_lane(l, n, sb, v);
+            if (l->sc16) { /* 6 bits: q - 32, each half of the sub-block times its own integer scale */
+                int da = 0, db = 0;
+                for (int e = 0; e < 16; e++) da += (v[e] - 32) * xq[sb * SB + e], db += (v[16 + e] - 32) * xq[sb * SB + 16 + e];
+                int isum = q6_scale(l, n, sb, 0) * da + q6_scale(l, n, sb, 1) * db;
+                y += (float)isum * sa[sb] * l->d256[k_fig_at(l, n, sb)];
+                continue;
+            }
+            for (int e = 0; e < SB; e++) d += v[e] * xq[sb * SB + e];
         } else { /* 8 bits: the activations' A and B halves (place_sub_block) */
             int pair = sb & ~1, lone = (pair + 1 == nsb);
             const int8_t *base = xq + pair * SB;
             const uint8_t *qq = l->q + (size_t)n * l->k + (size_t)sb * SB;
             int half = lone ? 16 : 32, off = lone ? 0 : (sb & 1) * 16, swap = off ? 16 : 0;
-            if (l->sc16) { /* bits 6: signed weights, each half times its own integer scale */
-                const int8_t *w = (const int8_t *)qq;
-                int da = 0, db = 0;
-                for (int t = 0; t < 16; t++) da += w[swap + t] * base[off + t], db += w[(16 ^ swap) + t] * base[half + off + t];
-                int ha = sb & 1; /* the A half: the first for an even sb, the second for an odd one */
-                int isum = sc16_at(l, n, sb, ha) * da + sc16_at(l, n, sb, !ha) * db;
-                y += (float)isum * sa[act_slot(sb, l->bits)] * l->d256[(size_t)n * (sub_stride(l->k) / 8) + sb / 8];
-                continue;
-            }
             for (int t = 0; t < 16; t++) d += qq[swap + t] * base[off + t] + qq[(16 ^ swap) + t] * base[half + off + t];
         }
         int slot = act_slot(sb, l->bits);

@@ -18,9 +18,10 @@
  * weights: y[n] = sum_sb sw * sa * dot(q, xq) + m * sa * sum(xq), with the file's float16 mins (l->mins), or,
  * for K-quants (Q4_K, Q5_K: scale d * sc and min dmin * m, not float16 values), float32 scales and mins
  * (l->s32, l->mins32), or, for Q4_K tiles packed from a file, its own 6-bit figures and d, dmin (l->ksc, l->kd),
- * the same products computed in the kernel. GGUF's Q6_K (a scale per 16 channels) is its own format, bits 6
- * (l->sc16, l->d256; q6_rows_w). A GGUF file's blocks are packed into these layouts by kv_pack_gguf, and an
- * embedding is looked up in its packed form (kv_weight_rows).
+ * the same products computed in the kernel. GGUF's Q6_K (a scale per 16 channels) is its own format, bits 6:
+ * tiles as the 4-bit ones with a plane of each value's 2 high bits beside them (l->sc16, l->d256; gg_pack_q6).
+ * A GGUF file's blocks are packed into these layouts by kv_pack_gguf, and an embedding is looked up in its
+ * packed form (kv_weight_rows).
  * For speed, a 4-bit kernel call computes a tile of 8 rows against 1 to 4 activation rows: each weight vector
  * is unpacked once for all of them and meets 4 activations broadcast to every lane, so the lanes' sums are the
  * 8 rows' own (no horizontal add): fewer instructions per multiply-add than the row kernel, most of all for
@@ -119,10 +120,9 @@ typedef struct {
                                * (quantize_row16), which doubles the kernels' multiply-adds, not the weight reads */
     float *s32, *mins32;      /* [kv_figures] an affine linear's float32 scales and mins (kv_pack_affine32)
                                * instead of s and mins; NULL otherwise */
-    int8_t *sc16;             /* bits 6 (GGUF's Q6_K, kv_pack_gguf): q holds signed q - 32 as bytes [n][k]; scales
-                               * per 16 channels [n][2 * sub_stride], per chunk of 8 sub-blocks the A halves' 8
-                               * then the B halves' 8, in kv_slot order (q6_rows_w); NULL otherwise */
-    float *d256;              /* bits 6: the super-block scale d per chunk of 8 sub-blocks [n][sub_stride / 8] */
+    int8_t *sc16;             /* bits 6 (GGUF's Q6_K, kv_pack_gguf: 6-bit tiles): the int8 scales per 16 channels,
+                               * [tile][sb][2][TILE]: the first 16 channels' for the TILE rows, then the last 16's */
+    float *d256;              /* bits 6: the super-block scale d per row, [tile][k / 256][TILE] (k_fig_at) */
     uint8_t *ksc;             /* 4-bit tiles of GGUF's Q4_K, its figures as the file has them instead of s32 / mins32:
                                * 6-bit scales then mins per sub-block ([kv_figures] each), */
     float *kd;                /* and d then dmin per super-block ([kv_figures / 8] each, k_fig_at); NULL otherwise */
@@ -147,17 +147,19 @@ static inline int kv_slot(int sb) {
  * and the activations they meet stay in channel order. The last tile's missing rows are zero. */
 #define TILE 8
 
-static inline int tiled(const kv_linear *l) { return l->bits == 4 && !l->w; }
+/* 6-bit tiles (GGUF's Q6_K, values 0..63 for q - 32) are the 4-bit tiles of each value's low 4 bits, then a plane
+ * of its 2 high bits, 64 bytes a tile's sub-block: byte i holds those of nibble byte i's low value (bits 0-1) and
+ * high value (2-3), then of nibble byte 64 + i's (4-5, 6-7), so that a 512-bit vector of the plane completes
+ * both halves of the sub-block's nibbles with shifts and masks. */
+static inline int tiles(int bits) { return bits == 4 || bits == 6; }
+static inline int tiled(const kv_linear *l) { return tiles(l->bits) && !l->w; }
 
-/* bytes of a quantized row: 4-bit tiles hold two channels a byte, every other format one */
-static inline size_t row_bytes(const kv_linear *l) { return tiled(l) ? (size_t)l->k / 2 : (size_t)l->k; }
+/* bytes of a tile's sub-block: 4 bits or 6 a weight, TILE rows of 32 channels */
+static inline size_t tile_bytes(const kv_linear *l) { return l->bits == 6 ? 6 * 32 : 4 * 32; }
 
-/* A bits-6 linear's scale of channels 32 sb + 16 half .. + 15 (half 0 or 1): the A half of a sub-block is its
- * first for an even sb, its second for an odd one (chunk_sums' pairing) */
-static inline int sc16_at(const kv_linear *l, int n, int sb, int half) {
-    size_t chunk = (size_t)n * sub_stride(l->k) + (sb & ~7);
-    int lane = kv_slot(sb) - (sb & ~7), a = (sb & 1) == half;
-    return l->sc16[2 * chunk + (a ? 0 : 8) + lane];
+/* bytes of a quantized row: a tile's sub-block per TILE rows, or (another format) one a weight */
+static inline size_t row_bytes(const kv_linear *l) {
+    return tiled(l) ? (size_t)l->k / SB * tile_bytes(l) / TILE : (size_t)l->k;
 }
 
 /* where row n's figure of sub-block sb is */
@@ -168,16 +170,33 @@ static inline size_t fig_at(const kv_linear *l, int n, int sb) {
 
 /* figures a linear of n rows and k inputs stores per kind (scales, zero points, mins): for the Python side */
 size_t kv_figures(int n, int k, int bits) {
-    return bits == 4 ? (size_t)((n + TILE - 1) / TILE * TILE) * (k / SB) : (size_t)n * sub_stride(k);
+    return tiles(bits) ? (size_t)((n + TILE - 1) / TILE * TILE) * (k / SB) : (size_t)n * sub_stride(k);
 }
 
-/* where row n's d (and, kv_figures / 8 further, dmin) of super-block sb / 8 is, for ksc tiles */
+/* where row n's d (and, kv_figures / 8 further, dmin) of super-block sb / 8 is, for ksc and 6-bit tiles */
 static inline size_t k_fig_at(const kv_linear *l, int n, int sb) {
     return ((size_t)(n / TILE) * (l->k / 256) + sb / 8) * TILE + n % TILE;
 }
 
 /* where an activation row's figures (scale, sum) of sub-block sb are, for a linear of `bits` */
-static inline int act_slot(int sb, int bits) { return bits == 4 ? sb : kv_slot(sb); }
+static inline int act_slot(int sb, int bits) { return tiles(bits) ? sb : kv_slot(sb); }
+
+/* row n's int8 scale of channels 32 sb + 16 half .. + 15 (half 0 or 1), for 6-bit tiles */
+static inline int q6_scale(const kv_linear *l, int n, int sb, int half) {
+    return l->sc16[2 * (fig_at(l, n, sb) - n % TILE) + TILE * half + n % TILE];
+}
+
+/* row n's unsigned values of sub-block sb from its tile (4 or 6 bits): lane n % TILE of the tile's 4 vectors,
+ * channels 8 v + b (low nibbles) and 8 v + 4 + b (high ones), b = 0..3, and for 6 bits their high-bit plane */
+static inline void tile_lane(const kv_linear *l, int n, int sb, uint8_t *v) {
+    const uint8_t *t = l->q + ((size_t)(n / TILE) * (l->k / SB) + sb) * tile_bytes(l);
+    for (int vv = 0; vv < 4; vv++)
+        for (int b = 0; b < 4; b++) {
+            int i = (vv * TILE + n % TILE) * 4 + b, h = l->bits == 6 ? t[128 + i % 64] >> 4 * (i / 64) : 0;
+            v[8 * vv + b] = (uint8_t)((t[i] & 15) | (h & 3) << 4);
+            v[8 * vv + 4 + b] = (uint8_t)((t[i] >> 4) | (h >> 2 & 3) << 4);
+        }
+}
 
 /* Write a 4-bit linear's tiles (ceil(n / TILE) * TILE * k / 2 bytes) into dst from its MatMulNBits bytes src,
  * and point l->q at them. */
@@ -341,32 +360,37 @@ static inline __attribute__((always_inline)) void gg_sub_block(const int type, c
 /* Pack l (n, k, bits, sym / zsym and its buffers set by the caller: q, and s (+ mins) or s32 + mins32, of
  * kv_figures) from GGUF rows of one type: rows[r] is where row r's blocks start (any order: the caller undoes
  * a permutation or joins tensors that way). Rows past n, in the last tile, are zero. */
-/* Row n of Q6_K blocks (ql [128], qh [64], int8 scales [16], d) as a bits-6 linear: element e of a super-block
- * is ql's nibble and qh's 2 bits (e / 128: its half; within it, quarter i = e % 128 / 32 takes the low nibbles
- * of ql[0..31], of ql[32..63], then the high ones, and qh's bits 2i), less 32; scale e / 16. */
-static void gg_pack_q6(kv_linear *l, int n, const uint8_t *row) {
-    int8_t *dst = (int8_t *)l->q + (size_t)n * l->k;
-    for (int c = 0; c < l->k / 256; c++) {
-        const uint8_t *b = row + (size_t)c * 210;
-        const int8_t *sc = (const int8_t *)(b + 192);
-        for (int h = 0; h < 2; h++) {
-            const uint8_t *ql = b + h * 64, *qh = b + 128 + h * 32;
-            int8_t *o = dst + c * 256 + h * 128;
-            for (int j = 0; j < 32; j++) {
-                int l0 = ql[j], l1 = ql[32 + j], hb = qh[j];
-                o[j] = (int8_t)(((l0 & 15) | (hb & 3) << 4) - 32);
-                o[32 + j] = (int8_t)(((l1 & 15) | (hb >> 2 & 3) << 4) - 32);
-                o[64 + j] = (int8_t)(((l0 >> 4) | (hb >> 4 & 3) << 4) - 32);
-                o[96 + j] = (int8_t)(((l1 >> 4) | (hb >> 6) << 4) - 32);
+/* Tile t of Q6_K rows (blocks of ql [128], qh [64], int8 scales [16], d) as 6-bit tiles: element e of a
+ * super-block is ql's nibble and qh's 2 bits (e / 128: its half; within it, quarter i = e % 128 / 32 takes the low
+ * nibbles of ql[0..31], of ql[32..63], then the high ones, and qh's bits 2i), q - 32 in 0..63; scale e / 16.
+ * Rows past n, in the last tile, are zero. */
+static void gg_pack_q6(kv_linear *l, const uint8_t *const *rows, int t) {
+    int nsb = l->k / SB;
+    for (int sb = 0; sb < nsb; sb++) {
+        uint8_t *tq = (uint8_t *)l->q + ((size_t)t * nsb + sb) * 6 * 32;
+        memset(tq, 0, 6 * 32);
+        for (int r = 0; r < TILE; r++) {
+            int n = t * TILE + r, j = sb % 8, i = j % 4;
+            uint8_t v[SB] = {0};
+            int8_t sc[2] = {0, 0};
+            float d = 0.f;
+            if (n < l->n) {
+                const uint8_t *b = rows[n] + (size_t)(sb / 8) * 210;
+                const uint8_t *ql = b + 64 * (j / 4) + 32 * (i & 1), *qh = b + 128 + 32 * (j / 4);
+                for (int e = 0; e < SB; e++) v[e] = (uint8_t)(((ql[e] >> 4 * (i >> 1)) & 15) | ((qh[e] >> 2 * i) & 3) << 4);
+                memcpy(sc, b + 192 + 2 * j, 2);
+                d = half_to_float(rd16(b + 208));
             }
+            for (int vv = 0; vv < 4; vv++)
+                for (int bb = 0; bb < 4; bb++) { /* tile_lane's layout */
+                    int at = (vv * TILE + r) * 4 + bb, lo = v[8 * vv + bb], hi = v[8 * vv + 4 + bb];
+                    tq[at] = (uint8_t)((lo & 15) | (hi & 15) << 4);
+                    tq[128 + at % 64] |= (uint8_t)(((lo >> 4) | (hi >> 4) << 2) << 4 * (at / 64));
+                }
+            size_t f = fig_at(l, n, sb) - r;
+            l->sc16[2 * f + r] = sc[0], l->sc16[2 * f + TILE + r] = sc[1];
+            if (j == 0) l->d256[k_fig_at(l, n, sb)] = d;
         }
-        size_t chunk = (size_t)n * sub_stride(l->k) + 8 * c;
-        for (int s8 = 0; s8 < 8; s8++) { /* sub-block 8 c + s8: its A half, then its B half */
-            int lane = kv_slot(s8), first = 2 * s8, second = 2 * s8 + 1;
-            l->sc16[2 * chunk + lane] = sc[s8 & 1 ? second : first];
-            l->sc16[2 * chunk + 8 + lane] = sc[s8 & 1 ? first : second];
-        }
-        l->d256[(size_t)n * (sub_stride(l->k) / 8) + c] = half_to_float(rd16(b + 208));
     }
 }
 
@@ -445,7 +469,7 @@ int kv_pack_gguf(kv_linear *l, int type, const uint8_t *const *rows, int threads
     if (type == GG_Q6_K) {
         if (l->bits != 6 || !l->sc16 || !l->d256) return -1;
 #pragma omp parallel for num_threads(threads) schedule(static)
-        for (int n = 0; n < l->n; n++) gg_pack_q6(l, n, rows[n]);
+        for (int t = 0; t < (l->n + TILE - 1) / TILE; t++) gg_pack_q6(l, rows, t);
         return 0;
     }
     if ((l->bits == 4) != (type == GG_Q4_0 || type == GG_Q4_1 || type == GG_Q4_K)) return -1;
@@ -492,17 +516,15 @@ void kv_weight_rows(const kv_linear *l, int count, const int64_t *ids, float sca
         for (int sb = 0; sb < nsb; sb++) {
             uint8_t v[SB];
             if (tiled(l)) {
-                const uint8_t *t = l->q + ((size_t)(n / TILE) * nsb + sb) * 4 * 32 + (size_t)(n % TILE) * 4;
-                for (int vv = 0; vv < 4; vv++)
-                    for (int b = 0; b < 4; b++) v[8 * vv + b] = t[32 * vv + b] & 15, v[8 * vv + 4 + b] = t[32 * vv + b] >> 4;
-            } else if (l->sc16) { /* (d * sc) * (q - 32), as gguf's dequantizer */
-                const int8_t *w = (const int8_t *)l->q + (size_t)n * k + (size_t)sb * SB;
-                float d = l->d256[(size_t)n * (sub_stride(k) / 8) + sb / 8];
-                for (int e = 0; e < SB; e++) {
-                    float s = d * (float)sc16_at(l, (int)n, sb, e / 16); /* exact: 11 bits times 8 */
-                    o[sb * SB + e] = s * (float)w[e] * scale;
+                tile_lane(l, (int)n, sb, v);
+                if (l->sc16) { /* (d * sc) * (q - 32), as gguf's dequantizer */
+                    float d = l->d256[k_fig_at(l, (int)n, sb)];
+                    for (int e = 0; e < SB; e++) {
+                        float s = d * (float)q6_scale(l, (int)n, sb, e / 16); /* exact: 11 bits times 8 */
+                        o[sb * SB + e] = s * (float)(v[e] - 32) * scale;
+                    }
+                    continue;
                 }
-                continue;
             } else {
                 memcpy(v, l->q + (size_t)n * k + (size_t)sb * SB, SB);
             }
@@ -521,7 +543,7 @@ void kv_weight_rows(const kv_linear *l, int count, const int64_t *ids, float sca
  * last sub-block as [A, B], where A and B are the 16 channels the weight vectors pair them with (chunk_sums):
  * the first and the last 16, swapped for the second of a pair. */
 static inline void place_sub_block(const int8_t *qv, int sb, int nsb, int bits, int8_t *xq) {
-    if (bits == 4) {
+    if (tiles(bits)) {
         memcpy(xq + sb * SB, qv, SB);
         return;
     }
@@ -563,8 +585,20 @@ int kv_pack_affine32(kv_linear *l, const float *scales, const float *mins, int g
 #include "kernels_portable.h"
 #endif
 
+/* A sub-block's c: sa * sum(qv), or for 6-bit tiles the sums of its first and last 16 activations, int16 each in
+ * the float's bits (the x86 kernels take the values as unsigned q and subtract 32 times those sums) */
+static inline float act_c(int bits, float sa, const int8_t *qv, int sum) {
+    if (bits != 6) return sa * (float)sum;
+    int first = 0;
+    for (int i = 0; i < 16; i++) first += qv[i];
+    uint32_t both = (uint16_t)first | (uint32_t)(uint16_t)(sum - first) << 16;
+    float c;
+    memcpy(&c, &both, sizeof c);
+    return c;
+}
+
 /* One row of activations quantized for the kernels: xq [k] in kernel byte order (place_sub_block), and sa and
- * c = sa * sum(xq) [sub_stride(k)] per sub-block at act_slot, zero-padded. */
+ * c (act_c) [sub_stride(k)] per sub-block at act_slot, zero-padded. */
 static void quantize_row(const float *x, int k, int bits, int8_t *xq, float *sa, float *c) {
     int nsb = k / SB;
     memset(sa, 0, sizeof(float) * sub_stride(k));
@@ -576,7 +610,7 @@ static void quantize_row(const float *x, int k, int bits, int8_t *xq, float *sa,
         float d = quantize_sub_block(v, qv, &sum);
         int slot = act_slot(sb, bits);
         sa[slot] = d;
-        c[slot] = d * (float)sum;
+        c[slot] = act_c(bits, d, qv, sum);
         place_sub_block(qv, sb, nsb, bits, xq);
     }
 }
@@ -603,8 +637,8 @@ static void quantize_row16(const float *x, int k, int bits, int8_t *xq, float *s
             sum_hi += hi[i], sum_lo += lo[i];
         }
         int slot = act_slot(sb, bits);
-        sa[slot] = 128.f * d, c[slot] = 128.f * d * (float)sum_hi;
-        sa_lo[slot] = d, c_lo[slot] = d * (float)sum_lo;
+        sa[slot] = 128.f * d, c[slot] = act_c(bits, 128.f * d, hi, sum_hi);
+        sa_lo[slot] = d, c_lo[slot] = act_c(bits, d, lo, sum_lo);
         place_sub_block(hi, sb, nsb, bits, xq);
         place_sub_block(lo, sb, nsb, bits, xq_lo);
     }
@@ -716,7 +750,7 @@ static inline void fetch_rows(const kv_linear *l, int n0, int n1) {
     size_t at = (size_t)n0 * per, figs = (size_t)(n1 - n0) * per; /* a tile's figures follow the one before */
     fetch_span(l->q + (size_t)n0 * rb, (size_t)(n1 - n0) * rb);
     if (l->sc16) {
-        fetch_span(l->sc16 + 2 * at, 2 * figs);
+        fetch_span(l->sc16 + 2 * at, 2 * figs), fetch_span(l->d256 + at / 8, sizeof(float) * figs / 8);
         return;
     }
     if (l->ksc) {
