@@ -36,8 +36,8 @@ static inline float quantize_sub_block(const float *v, int8_t *qv, int *sum) {
 #define KV_VNNI 0
 #endif
 #define SIGNED8 (!KV_VNNI)
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-#define KV_ZMM 1 /* 512-bit registers for the 4-bit tiles (tile_sums) */
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define KV_ZMM 1 /* 512-bit registers for the tiles (tile_sums, qtile_w) */
 #else
 #define KV_ZMM 0
 #endif
@@ -164,15 +164,15 @@ static inline __attribute__((always_inline)) void qdot_rows_w(const int aff, con
     }
 }
 
-/* d[j] = the integer sums of a 4-bit tile's sub-block (its 128 bytes at q) against activation row j's 32 at
- * xq[j] + off, for j < rm: lane i row i's. Each of the tile's 4 vectors gives a low and a high nibble vector,
- * each multiplied by 4 activations broadcast to all lanes. With AVX512-VNNI, two vectors fill one 512-bit
- * register and a permute of the 32 activations puts each half's 4 in place: half the instructions a weight
- * byte, which bound prefill. Without VNNI: 8 maddubs pairs of at most 2 * 15 * 127 each, added in int16
- * (within 8 * 3810), widened once. */
-static inline __attribute__((always_inline)) void tile_sums(const int rm, const uint8_t *q, const int8_t *const *xq,
-                                                            size_t off, __m256i *d) {
+/* The integer sums of a 4-bit tile's sub-block (its 128 bytes at q) against activation row j's 32 at xq[j] + off,
+ * for j < rm. Each of the tile's 4 vectors gives a low and a high nibble vector, each multiplied by 4 activations
+ * broadcast to all lanes. With AVX512-VNNI (tile_sums512: t[j], lanes i and 8 + i row i's), two vectors fill one
+ * 512-bit register and a permute of the 32 activations puts each half's 4 in place: half the instructions a
+ * weight byte, which bound prefill. Otherwise (tile_sums: d[j], lane i row i's) without VNNI: 8 maddubs pairs of
+ * at most 2 * 15 * 127 each, added in int16 (within 8 * 3810), widened once. */
 #if KV_ZMM
+static inline __attribute__((always_inline)) void tile_sums512(const int rm, const uint8_t *q, const int8_t *const *xq,
+                                                               size_t off, __m512i *t) {
     const __m512i m = _mm512_set1_epi8(0x0F);
     /* the activation dwords each 512-bit weight vector meets: [vector 2p | vector 2p + 1], low or high nibbles */
     const __m512i lo0 = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2);
@@ -187,10 +187,12 @@ static inline __attribute__((always_inline)) void tile_sums(const int rm, const 
                                          h0, _mm512_permutexvar_epi32(hi0, a));
         __m512i s1 = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), l1, _mm512_permutexvar_epi32(lo1, a)),
                                          h1, _mm512_permutexvar_epi32(hi1, a));
-        __m512i t = _mm512_add_epi32(s0, s1);
-        d[j] = _mm256_add_epi32(_mm512_castsi512_si256(t), _mm512_extracti64x4_epi64(t, 1));
+        t[j] = _mm512_add_epi32(s0, s1);
     }
+}
 #else
+static inline __attribute__((always_inline)) void tile_sums(const int rm, const uint8_t *q, const int8_t *const *xq,
+                                                            size_t off, __m256i *d) {
     const __m256i m = _mm256_set1_epi8(0x0F);
     for (int j = 0; j < rm; j++) d[j] = _mm256_setzero_si256();
     /* two vectors at a time: unrolled by 4, GCC hoisted every vector's loads and unpacking ahead and spilled
@@ -213,8 +215,8 @@ static inline __attribute__((always_inline)) void tile_sums(const int rm, const 
 #if !KV_VNNI
     for (int j = 0; j < rm; j++) d[j] = _mm256_madd_epi16(d[j], _mm256_set1_epi16(1));
 #endif
-#endif
 }
+#endif
 
 /* out[j * TILE + i] = row n0 + i (n0 a multiple of TILE) of a 4-bit linear . activation row j (channel order),
  * for i < TILE and j < rm (1 to TILE_RM, a constant, as aff: qdot_rows_w's): per sub-block, the TILE rows' integer
@@ -226,6 +228,51 @@ static inline __attribute__((always_inline)) void qtile_w(const int aff, const i
     const size_t f0 = (size_t)(n0 / TILE) * nsb * TILE; /* this tile's figures */
     const size_t figs = aff == 3 ? kv_figures(l->n, l->k, 4) : 0;
     const uint8_t *q = l->q + (size_t)n0 * l->k / 2;
+#if KV_ZMM
+    /* two sub-blocks at a time, one per half of each 512-bit vector of figures (sb's then sb + 1's TILE rows: the
+     * figures' order), so each figure instruction serves both; an odd last one has the upper half masked off
+     * (its activation figures are the zero padding) */
+    const __m512 zs16 = _mm512_set1_ps(l->zsym);
+    __m512 acc16[TILE_RM];
+    for (int j = 0; j < rm; j++) acc16[j] = _mm512_setzero_ps();
+    for (int sb = 0; sb < nsb; sb += 2, q += 2 * 4 * 32) {
+        const int two = sb + 1 < nsb;
+        const __mmask16 mk = two ? 0xFFFF : 0x00FF;
+        __m512i t0[TILE_RM], t1[TILE_RM];
+        tile_sums512(rm, q, xq, (size_t)sb * SB, t0);
+        if (two)
+            tile_sums512(rm, q + 4 * 32, xq, (size_t)(sb + 1) * SB, t1);
+        else
+            for (int j = 0; j < rm; j++) t1[j] = _mm512_setzero_si512();
+        const size_t f = f0 + (size_t)sb * TILE;
+        const size_t kf = aff == 3 ? k_fig_at(l, n0, sb) : 0; /* sb and sb + 1 share a super-block: sb is even */
+#define U8X16(p) _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(two ? _mm_loadu_si128((const __m128i *)(p)) : _mm_maskz_loadu_epi8(mk, (p))))
+#define HALF16(p) _mm512_cvtph_ps(two ? _mm256_loadu_si256((const __m256i *)(p)) : _mm256_maskz_loadu_epi16(mk, (p)))
+        __m512 w = aff == 3 ? _mm512_mul_ps(_mm512_broadcast_f32x8(_mm256_loadu_ps(l->kd + kf)), U8X16(l->ksc + f))
+                   : aff == 2 ? _mm512_maskz_loadu_ps(mk, l->s32 + f) : HALF16(l->s + f);
+        __m512 mn = aff == 3 ? _mm512_xor_ps(_mm512_mul_ps(_mm512_broadcast_f32x8(_mm256_loadu_ps(l->kd + figs / 8 + kf)),
+                                                           U8X16(l->ksc + figs + f)), _mm512_set1_ps(-0.f))
+                    : aff == 2 ? _mm512_maskz_loadu_ps(mk, l->mins32 + f)
+                    : aff == 1 ? HALF16(l->mins + f)
+                    : l->sym   ? zs16
+                               : U8X16(l->z + f);
+#undef U8X16
+#undef HALF16
+/* [p[0] x8 | p[1] x8]: broadcast loads (a permute instead competes with tile_sums512's for the shuffle unit) */
+#define PAIR(p) _mm512_mask_broadcastss_ps(_mm512_set1_ps(*(p)), 0xFF00, _mm_load_ss((p) + 1))
+        for (int j = 0; j < rm; j++) { /* [sb's rows | sb + 1's], each the sum of its sub-block's two halves */
+            __m512i d = _mm512_add_epi32(_mm512_shuffle_i64x2(t0[j], t1[j], 0x44), _mm512_shuffle_i64x2(t0[j], t1[j], 0xEE));
+            __m512 x = _mm512_mul_ps(_mm512_cvtepi32_ps(d), PAIR(sa[j] + sb)), cj = PAIR(c[j] + sb);
+            if (aff)
+                acc16[j] = _mm512_fmadd_ps(mn, cj, _mm512_fmadd_ps(x, w, acc16[j]));
+            else
+                acc16[j] = _mm512_fmadd_ps(_mm512_fnmadd_ps(mn, cj, x), w, acc16[j]);
+        }
+    }
+#undef PAIR
+    for (int j = 0; j < rm; j++)
+        _mm256_storeu_ps(out + j * TILE, _mm256_add_ps(_mm512_castps512_ps256(acc16[j]), _mm512_extractf32x8_ps(acc16[j], 1)));
+#else
     const __m256 zs = _mm256_set1_ps(l->zsym);
     __m256 acc[TILE_RM];
     for (int j = 0; j < rm; j++) acc[j] = _mm256_setzero_ps();
@@ -252,6 +299,7 @@ static inline __attribute__((always_inline)) void qtile_w(const int aff, const i
         }
     }
     for (int j = 0; j < rm; j++) _mm256_storeu_ps(out + j * TILE, acc[j]);
+#endif
 }
 
 /* The 6-bit values of a tile's vector from its nibbles b and its high-bit plane h (the plane's bits `at` and
