@@ -231,7 +231,8 @@ static inline __attribute__((always_inline)) void qtile_w(const int aff, const i
 #if KV_ZMM
     /* two sub-blocks at a time, one per half of each 512-bit vector of figures (sb's then sb + 1's TILE rows: the
      * figures' order), so each figure instruction serves both; an odd last one has the upper half masked off
-     * (its activation figures are the zero padding) */
+     * (its activation figures are the zero padding). Masked loads only there: in every iteration they slowed
+     * decode. */
     const __m512 zs16 = _mm512_set1_ps(l->zsym);
     __m512 acc16[TILE_RM];
     for (int j = 0; j < rm; j++) acc16[j] = _mm512_setzero_ps();
@@ -246,22 +247,26 @@ static inline __attribute__((always_inline)) void qtile_w(const int aff, const i
             for (int j = 0; j < rm; j++) t1[j] = _mm512_setzero_si512();
         const size_t f = f0 + (size_t)sb * TILE;
         const size_t kf = aff == 3 ? k_fig_at(l, n0, sb) : 0; /* sb and sb + 1 share a super-block: sb is even */
-#define U8X16(p) _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(two ? _mm_loadu_si128((const __m128i *)(p)) : _mm_maskz_loadu_epi8(mk, (p))))
+#define U8X16(p) \
+    _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(two ? _mm_loadu_si128((const __m128i *)(p)) : _mm_maskz_loadu_epi8(mk, (p))))
 #define HALF16(p) _mm512_cvtph_ps(two ? _mm256_loadu_si256((const __m256i *)(p)) : _mm256_maskz_loadu_epi16(mk, (p)))
+#define F32X16(p) (two ? _mm512_loadu_ps(p) : _mm512_maskz_loadu_ps(mk, (p)))
         __m512 w = aff == 3 ? _mm512_mul_ps(_mm512_broadcast_f32x8(_mm256_loadu_ps(l->kd + kf)), U8X16(l->ksc + f))
-                   : aff == 2 ? _mm512_maskz_loadu_ps(mk, l->s32 + f) : HALF16(l->s + f);
+                   : aff == 2 ? F32X16(l->s32 + f) : HALF16(l->s + f);
         __m512 mn = aff == 3 ? _mm512_xor_ps(_mm512_mul_ps(_mm512_broadcast_f32x8(_mm256_loadu_ps(l->kd + figs / 8 + kf)),
                                                            U8X16(l->ksc + figs + f)), _mm512_set1_ps(-0.f))
-                    : aff == 2 ? _mm512_maskz_loadu_ps(mk, l->mins32 + f)
+                    : aff == 2 ? F32X16(l->mins32 + f)
                     : aff == 1 ? HALF16(l->mins + f)
                     : l->sym   ? zs16
                                : U8X16(l->z + f);
 #undef U8X16
 #undef HALF16
+#undef F32X16
 /* [p[0] x8 | p[1] x8]: broadcast loads (a permute instead competes with tile_sums512's for the shuffle unit) */
 #define PAIR(p) _mm512_mask_broadcastss_ps(_mm512_set1_ps(*(p)), 0xFF00, _mm_load_ss((p) + 1))
         for (int j = 0; j < rm; j++) { /* [sb's rows | sb + 1's], each the sum of its sub-block's two halves */
-            __m512i d = _mm512_add_epi32(_mm512_shuffle_i64x2(t0[j], t1[j], 0x44), _mm512_shuffle_i64x2(t0[j], t1[j], 0xEE));
+            __m512i d = _mm512_add_epi32(_mm512_shuffle_i64x2(t0[j], t1[j], 0x44),
+                                         _mm512_shuffle_i64x2(t0[j], t1[j], 0xEE));
             __m512 x = _mm512_mul_ps(_mm512_cvtepi32_ps(d), PAIR(sa[j] + sb)), cj = PAIR(c[j] + sb);
             if (aff)
                 acc16[j] = _mm512_fmadd_ps(mn, cj, _mm512_fmadd_ps(x, w, acc16[j]));
@@ -270,8 +275,9 @@ static inline __attribute__((always_inline)) void qtile_w(const int aff, const i
         }
     }
 #undef PAIR
-    for (int j = 0; j < rm; j++)
-        _mm256_storeu_ps(out + j * TILE, _mm256_add_ps(_mm512_castps512_ps256(acc16[j]), _mm512_extractf32x8_ps(acc16[j], 1)));
+    for (int j = 0; j < rm; j++) /* lanes i and 8 + i: row i's two partial sums */
+        _mm256_storeu_ps(out + j * TILE,
+                         _mm256_add_ps(_mm512_castps512_ps256(acc16[j]), _mm512_extractf32x8_ps(acc16[j], 1)));
 #else
     const __m256 zs = _mm256_set1_ps(l->zsym);
     __m256 acc[TILE_RM];

@@ -71,9 +71,10 @@ static inline float32x4_t fig_apply(int aff, float32x4_t y, int32x4_t d, float s
                : vaddq_f32(y, vmulq_f32(w, vsubq_f32(t, vmulq_n_f32(mz, c))));
 }
 
-/* A tile of 8 rows of a 4-bit linear against rm (1 to TILE_RM) activation rows: lane r of the tile's vector v is
+/* A tile of 8 rows of a 4-bit or 6-bit linear against rm (1 to TILE_RM) activation rows: lane r of the tile's vector v is
  * row r's channels 8 v + b (low nibbles) and 8 v + 4 + b (high nibbles), b = 0..3, so each half of a vector meets
- * one int32 lane of the activations: v's low nibbles lane 2 v % 4, its high ones the next. */
+ * one int32 lane of the activations: v's low nibbles lane 2 v % 4, its high ones the next. A 6-bit tile (Q6_K)
+ * adds each value's high bits and takes q - 32 as signed bytes, each half sub-block times its int8 scale. */
 static void qtile(const kv_linear *l, int rm, int n0, const int8_t *const *xq, const float *const *sa,
                   const float *const *c, float *out) {
     int nsb = l->k / SB, aff = affine(l), six = l->sc16 != NULL;

@@ -357,9 +357,6 @@ static inline __attribute__((always_inline)) void gg_sub_block(const int type, c
     for (int e = 0; e < 32; e++) v[e] = ((qs[e] >> 4 * (j & 1)) & 15) | (uint8_t)(((b[16 + e] >> j) & 1) << 4);
 }
 
-/* Pack l (n, k, bits, sym / zsym and its buffers set by the caller: q, and s (+ mins) or s32 + mins32, of
- * kv_figures) from GGUF rows of one type: rows[r] is where row r's blocks start (any order: the caller undoes
- * a permutation or joins tensors that way). Rows past n, in the last tile, are zero. */
 /* Tile t of Q6_K rows (blocks of ql [128], qh [64], int8 scales [16], d) as 6-bit tiles: element e of a
  * super-block is ql's nibble and qh's 2 bits (e / 128: its half; within it, quarter i = e % 128 / 32 takes the low
  * nibbles of ql[0..31], of ql[32..63], then the high ones, and qh's bits 2i), q - 32 in 0..63; scale e / 16.
@@ -464,6 +461,9 @@ static inline __attribute__((always_inline)) void gg_pack_unit(kv_linear *l, con
         }
 }
 
+/* Pack l (n, k, bits, sym / zsym and its buffers set by the caller: q, and s (+ mins), s32 + mins32, ksc + kd or
+ * sc16 + d256, of kv_figures) from GGUF rows of one type: rows[r] is where row r's blocks start (any order: the
+ * caller undoes a permutation or joins tensors that way). Rows past n, in the last tile, are zero. */
 int kv_pack_gguf(kv_linear *l, int type, const uint8_t *const *rows, int threads) {
     if (type < 0 || type >= GG_TYPES || l->k % gg_type[type].block || l->w) return -1;
     if (type == GG_Q6_K) {
@@ -576,7 +576,7 @@ int kv_pack_affine32(kv_linear *l, const float *scales, const float *mins, int g
 #define TILE_RM 4 /* activation rows a 4-bit tile kernel call computes: each unpacked weight vector serves them all */
 
 /* This build's kernels, one file per instruction set, one interface: quantize_sub_block (an activation
- * sub-block to int8), qdot_rows (ROWS rows of an 8-bit or bits-6 linear), qtile (a tile of a 4-bit one) */
+ * sub-block to int8), qdot_rows (ROWS rows of an 8-bit linear), qtile (a tile of a 4-bit or 6-bit one) */
 #if KV_AVX2
 #include "kernels_avx2.h"
 #elif KV_NEON
