@@ -19,7 +19,7 @@
  * for K-quants (Q4_K, Q5_K: scale d * sc and min dmin * m, not float16 values), float32 scales and mins
  * (l->s32, l->mins32), or, for Q4_K tiles packed from a file, its own 6-bit figures and d, dmin (l->ksc, l->kd),
  * the same products computed in the kernel. GGUF's Q6_K (a scale per 16 channels) is its own format, bits 6:
- * tiles as the 4-bit ones with a plane of each value's 2 high bits beside them (l->sc16, l->d256; gg_pack_q6).
+ * tiles as the 4-bit ones with a plane of each value's 2 high bits beside them (l->sc16, l->d256; gg_tile_lane).
  * A GGUF file's blocks are packed into these layouts by kv_pack_gguf, and an embedding is looked up in its
  * packed form (kv_weight_rows).
  * For speed, a 4-bit kernel call computes a tile of 8 rows against 1 to 4 activation rows: each weight vector
@@ -357,55 +357,35 @@ static inline __attribute__((always_inline)) void gg_sub_block(const int type, c
     for (int e = 0; e < 32; e++) v[e] = ((qs[e] >> 4 * (j & 1)) & 15) | (uint8_t)(((b[16 + e] >> j) & 1) << 4);
 }
 
-/* Tile t of Q6_K rows (blocks of ql [128], qh [64], int8 scales [16], d) as 6-bit tiles: element e of a
- * super-block is ql's nibble and qh's 2 bits (e / 128: its half; within it, quarter i = e % 128 / 32 takes the low
- * nibbles of ql[0..31], of ql[32..63], then the high ones, and qh's bits 2i), q - 32 in 0..63; scale e / 16.
- * Rows past n, in the last tile, are zero. */
-static void gg_pack_q6(kv_linear *l, const uint8_t *const *rows, int t) {
-    int nsb = l->k / SB;
-    for (int sb = 0; sb < nsb; sb++) {
-        uint8_t *tq = (uint8_t *)l->q + ((size_t)t * nsb + sb) * 6 * 32;
-        memset(tq, 0, 6 * 32);
-        for (int r = 0; r < TILE; r++) {
-            int n = t * TILE + r, j = sb % 8, i = j % 4;
-            uint8_t v[SB] = {0};
-            int8_t sc[2] = {0, 0};
-            float d = 0.f;
-            if (n < l->n) {
-                const uint8_t *b = rows[n] + (size_t)(sb / 8) * 210;
-                const uint8_t *ql = b + 64 * (j / 4) + 32 * (i & 1), *qh = b + 128 + 32 * (j / 4);
-                for (int e = 0; e < SB; e++) v[e] = (uint8_t)(((ql[e] >> 4 * (i >> 1)) & 15) | ((qh[e] >> 2 * i) & 3) << 4);
-                memcpy(sc, b + 192 + 2 * j, 2);
-                d = half_to_float(rd16(b + 208));
-            }
-            for (int vv = 0; vv < 4; vv++)
-                for (int bb = 0; bb < 4; bb++) { /* tile_lane's layout */
-                    int at = (vv * TILE + r) * 4 + bb, lo = v[8 * vv + bb], hi = v[8 * vv + 4 + bb];
-                    tq[at] = (uint8_t)((lo & 15) | (hi & 15) << 4);
-                    tq[128 + at % 64] |= (uint8_t)(((lo >> 4) | (hi >> 4) << 2) << 4 * (at / 64));
-                }
-            size_t f = fig_at(l, n, sb) - r;
-            l->sc16[2 * f + r] = sc[0], l->sc16[2 * f + TILE + r] = sc[1];
-            if (j == 0) l->d256[k_fig_at(l, n, sb)] = d;
-        }
-    }
-}
-
 static inline uint32_t rd32(const uint8_t *p) {
     uint32_t v;
     memcpy(&v, p, 4);
     return v;
 }
 
-/* A 4-bit type's sub-block as a tile lane's 4 words (kv_pack_tiles: word v holds channels 8 v + b in its low
- * nibbles and 8 v + 4 + b in its high ones), built a word at a time from the block's nibble words: n[w] holds
- * values 4 w .. 4 w + 3 (bytes), which Q4_0 / Q4_1 keep as the low then the high nibbles of 16 bytes, and Q4_K
- * as one nibble of its run's 32 bytes. */
+/* A 4-bit or 6-bit type's sub-block as a tile lane's 4 words (kv_pack_tiles: word v holds channels 8 v + b in its
+ * low nibbles and 8 v + 4 + b in its high ones), built a word at a time from the block's nibble words: n[w] holds
+ * values 4 w .. 4 w + 3 (bytes), which Q4_0 / Q4_1 keep as the low then the high nibbles of 16 bytes, Q4_K as one
+ * nibble of its run's 32 bytes and Q6_K as one nibble of a quarter's 32 (element e of a super-block: half e / 128,
+ * quarter i = e % 128 / 32 the low nibbles of its half's ql[0..31], of ql[32..63], then the high ones; qh's bits
+ * 2i its high bits). Q6_K's high bits go to the lane's words of the plane (tile_lane), its int8 scales to k6. */
 static inline __attribute__((always_inline)) void gg_tile_lane(const int type, const uint8_t *row, int sb, uint8_t *lane,
                                                                uint16_t *s16, uint16_t *m16, int *k6, float *kdd) {
     const uint32_t lo = 0x0F0F0F0Fu;
     uint32_t n[8];
-    if (type == GG_Q4_K) {
+    if (type == GG_Q6_K) {
+        const uint8_t *b = row + (size_t)(sb / 8) * gg_type[type].bytes;
+        int j = sb % 8, i = j % 4;
+        const uint8_t *ql = b + 64 * (j / 4) + 32 * (i & 1), *qh = b + 128 + 32 * (j / 4);
+        uint32_t p[4];
+        for (int w = 0; w < 8; w++) n[w] = (rd32(ql + 4 * w) >> 4 * (i >> 1)) & lo;
+        for (int v = 0; v < 4; v++)
+            p[v] = ((rd32(qh + 8 * v) >> 2 * i) & 0x03030303u) | ((rd32(qh + 8 * v + 4) >> 2 * i) & 0x03030303u) << 2;
+        uint32_t h0 = p[0] | p[2] << 4, h1 = p[1] | p[3] << 4; /* the plane: vectors 0, 2 and 1, 3 */
+        memcpy(lane + 128, &h0, 4), memcpy(lane + 160, &h1, 4);
+        k6[0] = (int8_t)b[192 + 2 * j], k6[1] = (int8_t)b[193 + 2 * j];
+        kdd[0] = half_to_float(rd16(b + 208));
+    } else if (type == GG_Q4_K) {
         const uint8_t *b = row + (size_t)(sb / 8) * gg_type[type].bytes;
         int j = sb % 8;
         gg_k_scale_min(b + 4, j, &k6[0], &k6[1]);
@@ -436,13 +416,17 @@ static inline __attribute__((always_inline)) void gg_pack_unit(kv_linear *l, con
             uint16_t s16 = 0, m16 = 0;
             float s32 = 0.f, m32 = 0.f, kdd[2] = {0.f, 0.f};
             int k6[2] = {0, 0};
-            uint8_t *tq = per == TILE ? dst + ((size_t)(n / TILE) * nsb + sb) * 4 * 32 + (size_t)(n % TILE) * 4 : NULL;
+            uint8_t *tq = per == TILE ? dst + ((size_t)(n / TILE) * nsb + sb) * tile_bytes(l) + (size_t)(n % TILE) * 4 : NULL;
             if (n < l->n && tq)
                 gg_tile_lane(type, rows[n], sb, tq, &s16, &m16, k6, kdd);
             else if (n < l->n)
                 gg_sub_block(type, rows[n], sb, v, &s16, &m16, &s32, &m32);
             size_t f = fig_at(l, n, sb);
-            if (l->ksc) { /* Q4_K: the file's 6-bit scale and min, d and dmin once a super-block */
+            if (l->sc16) { /* Q6_K: the int8 scales of the sub-block's halves, d once a super-block */
+                size_t at = 2 * (f - n % TILE) + n % TILE;
+                l->sc16[at] = (int8_t)k6[0], l->sc16[at + TILE] = (int8_t)k6[1];
+                if (sb % 8 == 0) l->d256[k_fig_at(l, n, sb)] = kdd[0];
+            } else if (l->ksc) { /* Q4_K: the file's 6-bit scale and min, d and dmin once a super-block */
                 size_t figs = kv_figures(l->n, l->k, 4), kf = k_fig_at(l, n, sb);
                 l->ksc[f] = (uint8_t)k6[0], l->ksc[figs + f] = (uint8_t)k6[1];
                 if (sb % 8 == 0) l->kd[kf] = kdd[0], l->kd[figs / 8 + kf] = kdd[1];
@@ -454,7 +438,7 @@ static inline __attribute__((always_inline)) void gg_pack_unit(kv_linear *l, con
             if (l->mins) l->mins[f] = m16;
             if (tq) { /* a missing row of the last tile: zero */
                 if (n >= l->n)
-                    for (int vv = 0; vv < 4; vv++) memset(tq + 32 * vv, 0, 4);
+                    for (int vv = 0; vv < (l->bits == 6 ? 6 : 4); vv++) memset(tq + 32 * vv, 0, 4);
             } else {
                 memcpy(dst + (size_t)n * l->k + (size_t)sb * SB, v, SB);
             }
@@ -466,13 +450,8 @@ static inline __attribute__((always_inline)) void gg_pack_unit(kv_linear *l, con
  * caller undoes a permutation or joins tensors that way). Rows past n, in the last tile, are zero. */
 int kv_pack_gguf(kv_linear *l, int type, const uint8_t *const *rows, int threads) {
     if (type < 0 || type >= GG_TYPES || l->k % gg_type[type].block || l->w) return -1;
-    if (type == GG_Q6_K) {
-        if (l->bits != 6 || !l->sc16 || !l->d256) return -1;
-#pragma omp parallel for num_threads(threads) schedule(static)
-        for (int t = 0; t < (l->n + TILE - 1) / TILE; t++) gg_pack_q6(l, rows, t);
-        return 0;
-    }
-    if ((l->bits == 4) != (type == GG_Q4_0 || type == GG_Q4_1 || type == GG_Q4_K)) return -1;
+    int bits = type == GG_Q6_K ? 6 : type == GG_Q4_0 || type == GG_Q4_1 || type == GG_Q4_K ? 4 : 8;
+    if (l->bits != bits || (type == GG_Q6_K) != (l->sc16 && l->d256)) return -1;
     if ((type == GG_Q4_K) != (l->ksc != NULL) || (l->ksc && !l->kd)) return -1;
     int nsb = l->k / SB, per = tiled(l) ? TILE : 1, units = (l->n + per - 1) / per;
 #pragma omp parallel num_threads(threads)
@@ -485,7 +464,7 @@ int kv_pack_gguf(kv_linear *l, int type, const uint8_t *const *rows, int threads
         break;
         switch (type) {
             GG_PACK(GG_Q8_0) GG_PACK(GG_Q4_0) GG_PACK(GG_Q4_1) GG_PACK(GG_Q5_0) GG_PACK(GG_Q5_1) GG_PACK(GG_Q4_K)
-            GG_PACK(GG_Q5_K)
+            GG_PACK(GG_Q5_K) GG_PACK(GG_Q6_K)
         }
 #undef GG_PACK
     }
