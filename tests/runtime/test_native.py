@@ -4,7 +4,8 @@
   to int8 per 32 channels (scale max|x| / 127, half to even) times the dequantized weights, for INT4 and
   INT8, symmetric and asymmetric groups of 32/64/128, and every tail shape of the 8-sub-block kernel;
   for the AVX-VNNI build, an AVX2 build without VNNI and the portable C build. Affine blocks (GGUF's
-  Q4_1: w = q * d + m with float16 d and m) too, run with their float16 mins.
+  Q4_1: w = q * d + m with float16 d and m) too, run with their float16 mins. GGUF's K-quant blocks (Q4_K,
+  Q5_K, Q6_K's 6-bit tiles) as kv_pack_gguf packs them, against gguf's own dequantizer.
 - With int16 activations (activations="int16": two int8 planes, hi * 128 + lo) the same linears equal x
   rounded to 16256 levels per 32 channels times the weights, and the whole engine equals the PyTorch
   model's float activations within 1e-3 of the largest logit.
