@@ -25,11 +25,27 @@ def load(path: str | Path, backend: str = "auto", *, max_batch: int | None = Non
     the torch model; see NativeBackend).
     fused_attention=False: the torch backend on CUDA keeps the reference attention op instead of the Triton
     kernels, so that it can stand as the reference another backend (TensorRT) is compared to."""
+    import gc
+
+    # loading allocates a few hundred thousand objects that live as long as the session (a vocabulary, the
+    # weights' wrappers): the collector's passes over them find nothing and hold the GIL for a tenth of a second
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        return _open(Path(path), backend, backends.LoadOptions(
+            max_batch=max_batch, max_seq_len=max_seq_len, threads=threads, providers=providers, device=device,
+            dtype=dtype, quantize=quantize, kv_dtype=kv_dtype, activations=activations,
+            fused_attention=fused_attention), chunk_size)
+    finally:
+        if collecting:
+            gc.enable()
+
+
+def _open(path: Path, backend: str, opts: LoadOptions, chunk_size: int) -> Session:
     from concurrent.futures import ThreadPoolExecutor
 
     from kvedge.runtime.tokenizer import Tokenizer
 
-    path = Path(path)
     info = backends.for_path(path) if backend == "auto" else backends.get(backend)
     if path.suffix == ".gguf":  # parsed once here, before two threads would each parse it (open_gguf keeps it)
         from kvedge.models.gguf import open_gguf
@@ -39,10 +55,7 @@ def load(path: str | Path, backend: str = "auto", *, max_batch: int | None = Non
     # while the native backend's packing runs in C without the GIL
     with ThreadPoolExecutor(max_workers=1) as pool:
         tok = pool.submit(Tokenizer, path) if path.suffix == ".gguf" or (path / "tokenizer.json").is_file() else None
-        be = info.open(path, backends.LoadOptions(max_batch=max_batch, max_seq_len=max_seq_len, threads=threads,
-                                                  providers=providers, device=device, dtype=dtype, quantize=quantize,
-                                                  kv_dtype=kv_dtype, activations=activations,
-                                                  fused_attention=fused_attention))
+        be = info.open(path, opts)
         tokenizer = None if tok is None else tok.result()
     return Session(be, tokenizer, chunk_size=chunk_size)
 

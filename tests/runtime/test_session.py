@@ -208,3 +208,22 @@ def test_cli_generate_with_an_int8_cache(demo, capsys):
         assert out["backend"] == backend and len(out["tokens"]) == 3
     with pytest.raises(KvedgeError, match="fixed when it is exported"):
         load(demo[1], kv_dtype="int8")
+
+
+def test_load_leaves_the_garbage_collector_as_it_found_it(demo, tmp_path):
+    """load() turns the collector off while it builds the session (kvedge.runtime.load); it is on again after a
+    load, and after one that fails, and stays off where the caller had turned it off."""
+    import gc
+
+    assert gc.isenabled()
+    load(demo[1])
+    assert gc.isenabled()
+    with pytest.raises(Exception):
+        load(tmp_path / "missing.gguf")
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        load(demo[1])
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
