@@ -171,22 +171,30 @@ static inline __attribute__((always_inline)) void qdot_rows_w(const int aff, con
  * weight byte, which bound prefill. Otherwise (tile_sums: d[j], lane i row i's) without VNNI: 8 maddubs pairs of
  * at most 2 * 15 * 127 each, added in int16 (within 8 * 3810), widened once. */
 #if KV_ZMM
-static inline __attribute__((always_inline)) void tile_sums512(const int rm, const uint8_t *q, const int8_t *const *xq,
-                                                               size_t off, __m512i *t) {
-    const __m512i m = _mm512_set1_epi8(0x0F);
-    /* the activation dwords each 512-bit weight vector meets: [vector 2p | vector 2p + 1], low or high nibbles */
+/* The sums of a tile sub-block's value vectors (l0, h0: its first 64 nibble bytes' low and high values; l1, h1:
+ * the last 64's) against activation row a's 32: s0 from the first 16 channels, s1 from the last 16. A permute
+ * puts the 4 activations each half of a 512-bit vector meets in place: [vector 2p | vector 2p + 1]. */
+static inline void value_sums512(__m512i l0, __m512i h0, __m512i l1, __m512i h1, const int8_t *a, __m512i *s0,
+                                 __m512i *s1) {
     const __m512i lo0 = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2);
     const __m512i hi0 = _mm512_setr_epi32(1, 1, 1, 1, 1, 1, 1, 1, 3, 3, 3, 3, 3, 3, 3, 3);
     const __m512i lo1 = _mm512_add_epi32(lo0, _mm512_set1_epi32(4)), hi1 = _mm512_add_epi32(hi0, _mm512_set1_epi32(4));
+    __m512i x = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)a));
+    *s0 = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), l0, _mm512_permutexvar_epi32(lo0, x)), h0,
+                              _mm512_permutexvar_epi32(hi0, x));
+    *s1 = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), l1, _mm512_permutexvar_epi32(lo1, x)), h1,
+                              _mm512_permutexvar_epi32(hi1, x));
+}
+
+static inline __attribute__((always_inline)) void tile_sums512(const int rm, const uint8_t *q, const int8_t *const *xq,
+                                                               size_t off, __m512i *t) {
+    const __m512i m = _mm512_set1_epi8(0x0F);
     __m512i b0 = _mm512_loadu_si512(q), b1 = _mm512_loadu_si512(q + 64);
     __m512i l0 = _mm512_and_si512(b0, m), h0 = _mm512_and_si512(_mm512_srli_epi16(b0, 4), m);
     __m512i l1 = _mm512_and_si512(b1, m), h1 = _mm512_and_si512(_mm512_srli_epi16(b1, 4), m);
     for (int j = 0; j < rm; j++) {
-        __m512i a = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(xq[j] + off)));
-        __m512i s0 = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), l0, _mm512_permutexvar_epi32(lo0, a)),
-                                         h0, _mm512_permutexvar_epi32(hi0, a));
-        __m512i s1 = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), l1, _mm512_permutexvar_epi32(lo1, a)),
-                                         h1, _mm512_permutexvar_epi32(hi1, a));
+        __m512i s0, s1;
+        value_sums512(l0, h0, l1, h1, xq[j] + off, &s0, &s1);
         t[j] = _mm512_add_epi32(s0, s1);
     }
 }
@@ -331,18 +339,12 @@ static inline void six_bits256(__m256i b, __m256i h, const int at, __m256i *lo, 
 static inline __attribute__((always_inline)) void tile6_sums(const int rm, const uint8_t *q, const int8_t *const *xq,
                                                              size_t off, __m256i *da, __m256i *db) {
 #if KV_ZMM
-    const __m512i lo0 = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2);
-    const __m512i hi0 = _mm512_setr_epi32(1, 1, 1, 1, 1, 1, 1, 1, 3, 3, 3, 3, 3, 3, 3, 3);
-    const __m512i lo1 = _mm512_add_epi32(lo0, _mm512_set1_epi32(4)), hi1 = _mm512_add_epi32(hi0, _mm512_set1_epi32(4));
     __m512i h = _mm512_loadu_si512(q + 128), l0, h0, l1, h1;
     six_bits(_mm512_loadu_si512(q), h, 0, &l0, &h0);
     six_bits(_mm512_loadu_si512(q + 64), h, 4, &l1, &h1);
     for (int j = 0; j < rm; j++) {
-        __m512i a = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(xq[j] + off)));
-        __m512i s0 = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), l0, _mm512_permutexvar_epi32(lo0, a)),
-                                         h0, _mm512_permutexvar_epi32(hi0, a));
-        __m512i s1 = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), l1, _mm512_permutexvar_epi32(lo1, a)),
-                                         h1, _mm512_permutexvar_epi32(hi1, a));
+        __m512i s0, s1;
+        value_sums512(l0, h0, l1, h1, xq[j] + off, &s0, &s1);
         da[j] = _mm256_add_epi32(_mm512_castsi512_si256(s0), _mm512_extracti64x4_epi64(s0, 1));
         db[j] = _mm256_add_epi32(_mm512_castsi512_si256(s1), _mm512_extracti64x4_epi64(s1, 1));
     }
