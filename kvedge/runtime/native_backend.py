@@ -310,10 +310,12 @@ def pack_gguf(dll: ctypes.CDLL, kind: str, rows: np.ndarray, k: int, keep: _Keep
     lin = Linear(n=n, k=k, bits=bits, sym=int(not affine), zsym=float(zero or 2 ** (bits - 1)), bias=bias,
                  planes=ACTIVATIONS[activations],
                  q=keep(torch.empty({4: 16 * figs, 6: 24 * figs}.get(bits, n * k), dtype=torch.uint8)))
-    if kind == "Q6_K":  # int8 scales per 16 channels, d per 256
-        lin.sc16, lin.d256 = keep(torch.empty(2 * figs, dtype=torch.int8)), keep(torch.empty(figs // 8))
-    elif kind == "Q4_K":  # the file's 6-bit scales and mins, d and dmin per 256: d * sc computed in the kernel
-        lin.ksc, lin.kd = keep(torch.empty(2 * figs, dtype=torch.uint8)), keep(torch.empty(2 * (figs // 8)))
+    if kind == "Q6_K":  # int8 scales per 16 channels, the file's float16 d per 256
+        lin.sc16, lin.d256 = (keep(torch.empty(2 * figs, dtype=torch.int8)),
+                              keep(torch.empty(figs // 8, dtype=torch.int16)))
+    elif kind == "Q4_K":  # the file's 6-bit scales and mins, float16 d and dmin per 256: d * sc computed in the kernel
+        lin.ksc, lin.kd = (keep(torch.empty(2 * figs, dtype=torch.uint8)),
+                           keep(torch.empty(2 * (figs // 8), dtype=torch.int16)))
     elif kind.endswith("_K"):  # float32 d * sc and dmin * m
         lin.s32, lin.mins32 = keep(torch.empty(figs)), keep(torch.empty(figs))
     else:

@@ -259,9 +259,9 @@ static inline __attribute__((always_inline)) void qtile_w(const int aff, const i
     _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(two ? _mm_loadu_si128((const __m128i *)(p)) : _mm_maskz_loadu_epi8(mk, (p))))
 #define HALF16(p) _mm512_cvtph_ps(two ? _mm256_loadu_si256((const __m256i *)(p)) : _mm256_maskz_loadu_epi16(mk, (p)))
 #define F32X16(p) (two ? _mm512_loadu_ps(p) : _mm512_maskz_loadu_ps(mk, (p)))
-        __m512 w = aff == 3 ? _mm512_mul_ps(_mm512_broadcast_f32x8(_mm256_loadu_ps(l->kd + kf)), U8X16(l->ksc + f))
+        __m512 w = aff == 3 ? _mm512_mul_ps(_mm512_broadcast_f32x8(load_half8(l->kd + kf)), U8X16(l->ksc + f))
                    : aff == 2 ? F32X16(l->s32 + f) : HALF16(l->s + f);
-        __m512 mn = aff == 3 ? _mm512_xor_ps(_mm512_mul_ps(_mm512_broadcast_f32x8(_mm256_loadu_ps(l->kd + figs / 8 + kf)),
+        __m512 mn = aff == 3 ? _mm512_xor_ps(_mm512_mul_ps(_mm512_broadcast_f32x8(load_half8(l->kd + figs / 8 + kf)),
                                                            U8X16(l->ksc + figs + f)), _mm512_set1_ps(-0.f))
                     : aff == 2 ? F32X16(l->mins32 + f)
                     : aff == 1 ? HALF16(l->mins + f)
@@ -295,9 +295,9 @@ static inline __attribute__((always_inline)) void qtile_w(const int aff, const i
         tile_sums(rm, q, xq, (size_t)sb * SB, d);
         const size_t f = f0 + (size_t)sb * TILE;
         const size_t kf = aff == 3 ? k_fig_at(l, n0, sb) : 0;
-        __m256 w = aff == 3 ? _mm256_mul_ps(_mm256_loadu_ps(l->kd + kf), load_u8x8(l->ksc + f))
+        __m256 w = aff == 3 ? _mm256_mul_ps(load_half8(l->kd + kf), load_u8x8(l->ksc + f))
                    : aff == 2 ? _mm256_loadu_ps(l->s32 + f) : load_half8(l->s + f);
-        __m256 mn = aff == 3 ? _mm256_xor_ps(_mm256_mul_ps(_mm256_loadu_ps(l->kd + figs / 8 + kf), load_u8x8(l->ksc + figs + f)),
+        __m256 mn = aff == 3 ? _mm256_xor_ps(_mm256_mul_ps(load_half8(l->kd + figs / 8 + kf), load_u8x8(l->ksc + figs + f)),
                                              _mm256_set1_ps(-0.f)) /* -(dmin * m), as the packer of s32 */
                     : aff == 2 ? _mm256_loadu_ps(l->mins32 + f) /* the mins, or the zero points */
                     : aff == 1 ? load_half8(l->mins + f)
@@ -388,7 +388,7 @@ static inline __attribute__((always_inline)) void q6_tile_w(const int rm, const 
         const int8_t *sc = l->sc16 + 2 * (f0 + (size_t)sb * TILE);
         __m256i sca = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)sc));
         __m256i scb = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(sc + TILE)));
-        __m256 d = _mm256_loadu_ps(l->d256 + k_fig_at(l, n0, sb));
+        __m256 d = load_half8(l->d256 + k_fig_at(l, n0, sb));
         for (int j = 0; j < rm; j++) {
             uint32_t both;
             memcpy(&both, c[j] + sb, 4);

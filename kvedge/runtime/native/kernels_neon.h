@@ -49,9 +49,9 @@ static inline void tile_figures(const kv_linear *l, int n0, int sb, int i, size_
                                 float32x4_t *mz) {
     size_t f = fig_at(l, n0, sb) + i;
     if (l->ksc) {
-        const float *kd = l->kd + k_fig_at(l, n0, sb) + i;
-        *w = vmulq_f32(vld1q_f32(kd), u8x4_to_f32(l->ksc + f));
-        *mz = vnegq_f32(vmulq_f32(vld1q_f32(kd + figs / 8), u8x4_to_f32(l->ksc + figs + f)));
+        const uint16_t *kd = l->kd + k_fig_at(l, n0, sb) + i;
+        *w = vmulq_f32(half4_to_f32(kd), u8x4_to_f32(l->ksc + f));
+        *mz = vnegq_f32(vmulq_f32(half4_to_f32(kd + figs / 8), u8x4_to_f32(l->ksc + figs + f)));
         return;
     }
     *w = l->s32 ? vld1q_f32(l->s32 + f) : half4_to_f32(l->s + f);
@@ -109,7 +109,7 @@ static void qtile(const kv_linear *l, int rm, int n0, const int8_t *const *xq, c
                     int32x4_t scb = vmovl_s16(vget_low_s16(vmovl_s8(vreinterpret_s8_u32(vdup_n_u32(rd32(sc + TILE))))));
                     int32x4_t isum = vaddq_s32(vmulq_s32(sca, da), vmulq_s32(scb, db));
                     float32x4_t t4 = vmulq_n_f32(vcvtq_f32_s32(isum), sa[j][sb]);
-                    y[j][h] = vaddq_f32(y[j][h], vmulq_f32(t4, vld1q_f32(l->d256 + k_fig_at(l, n0, sb) + 4 * h)));
+                    y[j][h] = vaddq_f32(y[j][h], vmulq_f32(t4, half4_to_f32(l->d256 + k_fig_at(l, n0, sb) + 4 * h)));
                 }
             }
             continue;

@@ -122,10 +122,12 @@ typedef struct {
                                * instead of s and mins; NULL otherwise */
     int8_t *sc16;             /* bits 6 (GGUF's Q6_K, kv_pack_gguf: 6-bit tiles): the int8 scales per 16 channels,
                                * [tile][sb][2][TILE]: the first 16 channels' for the TILE rows, then the last 16's */
-    float *d256;              /* bits 6: the super-block scale d per row, [tile][k / 256][TILE] (k_fig_at) */
+    uint16_t *d256;           /* bits 6: the super-block scale d per row (the file's float16),
+                               * [tile][k / 256][TILE] (k_fig_at) */
     uint8_t *ksc;             /* 4-bit tiles of GGUF's Q4_K, its figures as the file has them instead of s32 / mins32:
                                * 6-bit scales then mins per sub-block ([kv_figures] each), */
-    float *kd;                /* and d then dmin per super-block ([kv_figures / 8] each, k_fig_at); NULL otherwise */
+    uint16_t *kd;             /* and d then dmin per super-block, the file's float16 ([kv_figures / 8] each,
+                               * k_fig_at); NULL otherwise */
 } kv_linear;
 
 /* Per-sub-block figures (scales, zero points, activation scales) are stored per row with a stride of
@@ -281,14 +283,14 @@ static inline int affine(const kv_linear *l) { return l->ksc || l->s32 || l->min
 /* row n's scale of sub-block sb as float32 (a Q4_K tile's d * sc, computed as the file's dequantizer does) */
 static inline float fig_scale(const kv_linear *l, int n, int sb) {
     size_t f = fig_at(l, n, sb);
-    if (l->ksc) return l->kd[k_fig_at(l, n, sb)] * (float)l->ksc[f];
+    if (l->ksc) return half_to_float(l->kd[k_fig_at(l, n, sb)]) * (float)l->ksc[f];
     return l->s32 ? l->s32[f] : half_to_float(l->s[f]);
 }
 
 /* row n's min of sub-block sb for an affine linear (a Q4_K tile's -(dmin * m)), else its zero point */
 static inline float fig_min(const kv_linear *l, int n, int sb) {
     size_t f = fig_at(l, n, sb), figs = kv_figures(l->n, l->k, l->bits);
-    if (l->ksc) return -(l->kd[figs / 8 + k_fig_at(l, n, sb)] * (float)l->ksc[figs + f]);
+    if (l->ksc) return -(half_to_float(l->kd[figs / 8 + k_fig_at(l, n, sb)]) * (float)l->ksc[figs + f]);
     if (l->s32) return l->mins32[f];
     if (l->mins) return half_to_float(l->mins[f]);
     return l->sym ? l->zsym : (float)l->z[f];
@@ -368,9 +370,10 @@ static inline uint32_t rd32(const uint8_t *p) {
  * values 4 w .. 4 w + 3 (bytes), which Q4_0 / Q4_1 keep as the low then the high nibbles of 16 bytes, Q4_K as one
  * nibble of its run's 32 bytes and Q6_K as one nibble of a quarter's 32 (element e of a super-block: half e / 128,
  * quarter i = e % 128 / 32 the low nibbles of its half's ql[0..31], of ql[32..63], then the high ones; qh's bits
- * 2i its high bits). Q6_K's high bits go to the lane's words of the plane (tile_lane), its int8 scales to k6. */
+ * 2i its high bits). Q6_K's high bits go to the lane's words of the plane (tile_lane), its int8 scales to k6;
+ * a K-quant's d (Q4_K: and dmin) to kdd, the file's float16 bits. */
 static inline __attribute__((always_inline)) void gg_tile_lane(const int type, const uint8_t *row, int sb, uint8_t *lane,
-                                                               uint16_t *s16, uint16_t *m16, int *k6, float *kdd) {
+                                                               uint16_t *s16, uint16_t *m16, int *k6, uint16_t *kdd) {
     const uint32_t lo = 0x0F0F0F0Fu;
     uint32_t n[8];
     if (type == GG_Q6_K) {
@@ -384,12 +387,12 @@ static inline __attribute__((always_inline)) void gg_tile_lane(const int type, c
         uint32_t h0 = p[0] | p[2] << 4, h1 = p[1] | p[3] << 4; /* the plane: vectors 0, 2 and 1, 3 */
         memcpy(lane + 128, &h0, 4), memcpy(lane + 160, &h1, 4);
         k6[0] = (int8_t)b[192 + 2 * j], k6[1] = (int8_t)b[193 + 2 * j];
-        kdd[0] = half_to_float(rd16(b + 208));
+        kdd[0] = rd16(b + 208);
     } else if (type == GG_Q4_K) {
         const uint8_t *b = row + (size_t)(sb / 8) * gg_type[type].bytes;
         int j = sb % 8;
         gg_k_scale_min(b + 4, j, &k6[0], &k6[1]);
-        kdd[0] = half_to_float(rd16(b)), kdd[1] = half_to_float(rd16(b + 2));
+        kdd[0] = rd16(b), kdd[1] = rd16(b + 2);
         const uint8_t *qs = b + 16 + 32 * (j / 2);
         for (int w = 0; w < 8; w++) n[w] = (rd32(qs + 4 * w) >> 4 * (j & 1)) & lo;
     } else {
@@ -414,7 +417,8 @@ static inline __attribute__((always_inline)) void gg_pack_unit(kv_linear *l, con
         for (int sb = 0; sb < nsb; sb++) {
             uint8_t v[SB] = {0};
             uint16_t s16 = 0, m16 = 0;
-            float s32 = 0.f, m32 = 0.f, kdd[2] = {0.f, 0.f};
+            float s32 = 0.f, m32 = 0.f;
+            uint16_t kdd[2] = {0, 0};
             int k6[2] = {0, 0};
             uint8_t *tq = per == TILE ? dst + ((size_t)(n / TILE) * nsb + sb) * tile_bytes(l) + (size_t)(n % TILE) * 4 : NULL;
             if (n < l->n && tq)
@@ -497,7 +501,7 @@ void kv_weight_rows(const kv_linear *l, int count, const int64_t *ids, float sca
             if (tiled(l)) {
                 tile_lane(l, (int)n, sb, v);
                 if (l->sc16) { /* (d * sc) * (q - 32), as gguf's dequantizer */
-                    float d = l->d256[k_fig_at(l, (int)n, sb)];
+                    float d = half_to_float(l->d256[k_fig_at(l, (int)n, sb)]);
                     for (int e = 0; e < SB; e++) {
                         float s = d * (float)q6_scale(l, (int)n, sb, e / 16); /* exact: 11 bits times 8 */
                         o[sb * SB + e] = s * (float)(v[e] - 32) * scale;
@@ -729,13 +733,13 @@ static inline void fetch_rows(const kv_linear *l, int n0, int n1) {
     size_t at = (size_t)n0 * per, figs = (size_t)(n1 - n0) * per; /* a tile's figures follow the one before */
     fetch_span(l->q + (size_t)n0 * rb, (size_t)(n1 - n0) * rb);
     if (l->sc16) {
-        fetch_span(l->sc16 + 2 * at, 2 * figs), fetch_span(l->d256 + at / 8, sizeof(float) * figs / 8);
+        fetch_span(l->sc16 + 2 * at, 2 * figs), fetch_span(l->d256 + at / 8, sizeof(uint16_t) * figs / 8);
         return;
     }
     if (l->ksc) {
         size_t all = kv_figures(l->n, l->k, 4);
         fetch_span(l->ksc + at, figs), fetch_span(l->ksc + all + at, figs);
-        fetch_span(l->kd + at / 8, sizeof(float) * figs / 8), fetch_span(l->kd + all / 8 + at / 8, sizeof(float) * figs / 8);
+        fetch_span(l->kd + at / 8, sizeof(uint16_t) * figs / 8), fetch_span(l->kd + all / 8 + at / 8, sizeof(uint16_t) * figs / 8);
         return;
     }
     if (l->s32) {
