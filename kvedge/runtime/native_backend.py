@@ -50,7 +50,7 @@ class Linear(ctypes.Structure):
                 ("zsym", ctypes.c_float), ("q", ctypes.c_void_p), ("s", ctypes.c_void_p), ("z", ctypes.c_void_p),
                 ("mins", ctypes.c_void_p), ("w", ctypes.c_void_p), ("bias", ctypes.c_void_p), ("planes", ctypes.c_int32),
                 ("s32", ctypes.c_void_p), ("mins32", ctypes.c_void_p), ("sc16", ctypes.c_void_p),
-                ("d256", ctypes.c_void_p), ("ksc", ctypes.c_void_p), ("kd", ctypes.c_void_p)]
+                ("d256", ctypes.c_void_p), ("ksc", ctypes.c_void_p)]
 
 
 class Layer(ctypes.Structure):
@@ -313,9 +313,8 @@ def pack_gguf(dll: ctypes.CDLL, kind: str, rows: np.ndarray, k: int, keep: _Keep
     if kind == "Q6_K":  # int8 scales per 16 channels, the file's float16 d per 256
         lin.sc16, lin.d256 = (keep(torch.empty(2 * figs, dtype=torch.int8)),
                               keep(torch.empty(figs // 8, dtype=torch.int16)))
-    elif kind == "Q4_K":  # the file's 6-bit scales and mins, float16 d and dmin per 256: d * sc computed in the kernel
-        lin.ksc, lin.kd = (keep(torch.empty(2 * figs, dtype=torch.uint8)),
-                           keep(torch.empty(2 * (figs // 8), dtype=torch.int16)))
+    elif kind == "Q4_K":  # the file's 6-bit scales and mins, float16 d and dmin: d * sc computed in the kernel
+        lin.ksc = keep(torch.empty(figs * 5 // 2, dtype=torch.uint8))  # a 160-byte record per 8 rows and 256
     elif kind.endswith("_K"):  # float32 d * sc and dmin * m
         lin.s32, lin.mins32 = keep(torch.empty(figs)), keep(torch.empty(figs))
     else:

@@ -478,7 +478,7 @@ def test_the_native_engine_looks_up_the_files_embedding_in_its_own_type(qtype, t
                     reason="the native engine needs a C compiler")
 @pytest.mark.parametrize("build", [b for b in ("native", "avx2", "portable") if b in BUILDS])
 def test_q4_k_tiles_on_the_files_figures_compute_as_on_float32_ones(build, hf_model, gguf_file):
-    """Q4_K tiles keep the file's 6-bit scales and mins and d, dmin per 256 (ksc, kd) and compute d * sc and
+    """Q4_K tiles keep the file's 6-bit scales and mins and d, dmin per 256 (ksc) and compute d * sc and
     -(dmin * m) in the kernel: the logits are bitwise those of the same integers with float32 figures packed
     ahead (kv_pack_affine32, what a Decoder of the file gives the engine)."""
     from kvedge.runtime.native_backend import NativeBackend

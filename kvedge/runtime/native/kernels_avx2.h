@@ -234,7 +234,6 @@ static inline __attribute__((always_inline)) void qtile_w(const int aff, const i
                                                           const float *const *c, float *out) {
     const int nsb = l->k / SB;
     const size_t f0 = (size_t)(n0 / TILE) * nsb * TILE; /* this tile's figures */
-    const size_t figs = aff == 3 ? kv_figures(l->n, l->k, 4) : 0;
     const uint8_t *q = l->q + (size_t)n0 * l->k / 2;
 #if KV_ZMM
     /* two sub-blocks at a time, one per half of each 512-bit vector of figures (sb's then sb + 1's TILE rows: the
@@ -254,15 +253,16 @@ static inline __attribute__((always_inline)) void qtile_w(const int aff, const i
         else
             for (int j = 0; j < rm; j++) t1[j] = _mm512_setzero_si512();
         const size_t f = f0 + (size_t)sb * TILE;
-        const size_t kf = aff == 3 ? k_fig_at(l, n0, sb) : 0; /* sb and sb + 1 share a super-block: sb is even */
+        const uint8_t *kr = aff == 3 ? k_rec(l, n0, sb) : NULL; /* sb and sb + 1 share a super-block: sb is even */
 #define U8X16(p) \
     _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(two ? _mm_loadu_si128((const __m128i *)(p)) : _mm_maskz_loadu_epi8(mk, (p))))
 #define HALF16(p) _mm512_cvtph_ps(two ? _mm256_loadu_si256((const __m256i *)(p)) : _mm256_maskz_loadu_epi16(mk, (p)))
 #define F32X16(p) (two ? _mm512_loadu_ps(p) : _mm512_maskz_loadu_ps(mk, (p)))
-        __m512 w = aff == 3 ? _mm512_mul_ps(_mm512_broadcast_f32x8(load_half8(l->kd + kf)), U8X16(l->ksc + f))
+        __m512 w = aff == 3 ? _mm512_mul_ps(_mm512_broadcast_f32x8(load_half8((const uint16_t *)(kr + K_D))),
+                                            U8X16(kr + K_SC + sb % 8 * TILE))
                    : aff == 2 ? F32X16(l->s32 + f) : HALF16(l->s + f);
-        __m512 mn = aff == 3 ? _mm512_xor_ps(_mm512_mul_ps(_mm512_broadcast_f32x8(load_half8(l->kd + figs / 8 + kf)),
-                                                           U8X16(l->ksc + figs + f)), _mm512_set1_ps(-0.f))
+        __m512 mn = aff == 3 ? _mm512_xor_ps(_mm512_mul_ps(_mm512_broadcast_f32x8(load_half8((const uint16_t *)(kr + K_DMIN))),
+                                                           U8X16(kr + K_MIN + sb % 8 * TILE)), _mm512_set1_ps(-0.f))
                     : aff == 2 ? F32X16(l->mins32 + f)
                     : aff == 1 ? HALF16(l->mins + f)
                     : l->sym   ? zs16
@@ -294,10 +294,11 @@ static inline __attribute__((always_inline)) void qtile_w(const int aff, const i
         __m256i d[TILE_RM];
         tile_sums(rm, q, xq, (size_t)sb * SB, d);
         const size_t f = f0 + (size_t)sb * TILE;
-        const size_t kf = aff == 3 ? k_fig_at(l, n0, sb) : 0;
-        __m256 w = aff == 3 ? _mm256_mul_ps(load_half8(l->kd + kf), load_u8x8(l->ksc + f))
+        const uint8_t *kr = aff == 3 ? k_rec(l, n0, sb) : NULL;
+        __m256 w = aff == 3 ? _mm256_mul_ps(load_half8((const uint16_t *)(kr + K_D)), load_u8x8(kr + K_SC + sb % 8 * TILE))
                    : aff == 2 ? _mm256_loadu_ps(l->s32 + f) : load_half8(l->s + f);
-        __m256 mn = aff == 3 ? _mm256_xor_ps(_mm256_mul_ps(load_half8(l->kd + figs / 8 + kf), load_u8x8(l->ksc + figs + f)),
+        __m256 mn = aff == 3 ? _mm256_xor_ps(_mm256_mul_ps(load_half8((const uint16_t *)(kr + K_DMIN)),
+                                                           load_u8x8(kr + K_MIN + sb % 8 * TILE)),
                                              _mm256_set1_ps(-0.f)) /* -(dmin * m), as the packer of s32 */
                     : aff == 2 ? _mm256_loadu_ps(l->mins32 + f) /* the mins, or the zero points */
                     : aff == 1 ? load_half8(l->mins + f)

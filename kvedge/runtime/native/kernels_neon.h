@@ -44,14 +44,13 @@ static inline float32x4_t u8x4_to_f32(const uint8_t *p) {
 static inline float32x4_t half4_to_f32(const uint16_t *p) { return vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(p))); }
 
 /* rows i .. i + 3 of a tile's scales (fig_scale) and mins or zero points (fig_min) of sub-block sb: a tile's
- * figures are [tile][sb][TILE], its rows side by side */
-static inline void tile_figures(const kv_linear *l, int n0, int sb, int i, size_t figs, float32x4_t *w,
-                                float32x4_t *mz) {
+ * figures are [tile][sb][TILE], its rows side by side (a Q4_K tile's within its super-block's record) */
+static inline void tile_figures(const kv_linear *l, int n0, int sb, int i, float32x4_t *w, float32x4_t *mz) {
     size_t f = fig_at(l, n0, sb) + i;
     if (l->ksc) {
-        const uint16_t *kd = l->kd + k_fig_at(l, n0, sb) + i;
-        *w = vmulq_f32(half4_to_f32(kd), u8x4_to_f32(l->ksc + f));
-        *mz = vnegq_f32(vmulq_f32(half4_to_f32(kd + figs / 8), u8x4_to_f32(l->ksc + figs + f)));
+        const uint8_t *r = k_rec(l, n0, sb);
+        *w = vmulq_f32(half4_to_f32((const uint16_t *)(r + K_D) + i), u8x4_to_f32(r + K_SC + sb % 8 * TILE + i));
+        *mz = vnegq_f32(vmulq_f32(half4_to_f32((const uint16_t *)(r + K_DMIN) + i), u8x4_to_f32(r + K_MIN + sb % 8 * TILE + i)));
         return;
     }
     *w = l->s32 ? vld1q_f32(l->s32 + f) : half4_to_f32(l->s + f);
@@ -78,7 +77,6 @@ static inline float32x4_t fig_apply(int aff, float32x4_t y, int32x4_t d, float s
 static void qtile(const kv_linear *l, int rm, int n0, const int8_t *const *xq, const float *const *sa,
                   const float *const *c, float *out) {
     int nsb = l->k / SB, aff = affine(l), six = l->sc16 != NULL;
-    size_t figs = kv_figures(l->n, l->k, l->bits);
     const uint8_t *t = l->q + (size_t)(n0 / TILE) * nsb * tile_bytes(l);
     const uint8x16_t low = vdupq_n_u8(15);
     float32x4_t y[TILE_RM][2];
@@ -115,8 +113,8 @@ static void qtile(const kv_linear *l, int rm, int n0, const int8_t *const *xq, c
             continue;
         }
         float32x4_t w[2], mz[2];
-        tile_figures(l, n0, sb, 0, figs, &w[0], &mz[0]);
-        tile_figures(l, n0, sb, 4, figs, &w[1], &mz[1]);
+        tile_figures(l, n0, sb, 0, &w[0], &mz[0]);
+        tile_figures(l, n0, sb, 4, &w[1], &mz[1]);
         for (int j = 0; j < rm; j++) {
             int8x16_t x0 = vld1q_s8(xq[j] + sb * SB), x1 = vld1q_s8(xq[j] + sb * SB + 16);
             for (int h = 0; h < 2; h++) {

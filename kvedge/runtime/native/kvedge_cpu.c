@@ -17,7 +17,7 @@
  * Affine blocks (GGUF's Q4_1: w = q * d + m, d and m float16) run as they are, without re-rounding the
  * weights: y[n] = sum_sb sw * sa * dot(q, xq) + m * sa * sum(xq), with the file's float16 mins (l->mins), or,
  * for K-quants (Q4_K, Q5_K: scale d * sc and min dmin * m, not float16 values), float32 scales and mins
- * (l->s32, l->mins32), or, for Q4_K tiles packed from a file, its own 6-bit figures and d, dmin (l->ksc, l->kd),
+ * (l->s32, l->mins32), or, for Q4_K tiles packed from a file, its own 6-bit figures and d, dmin (l->ksc, k_rec),
  * the same products computed in the kernel. GGUF's Q6_K (a scale per 16 channels) is its own format, bits 6:
  * tiles as the 4-bit ones with a plane of each value's 2 high bits beside them (l->sc16, l->d256; gg_tile_lane).
  * A GGUF file's blocks are packed into these layouts by kv_pack_gguf, and an embedding is looked up in its
@@ -124,10 +124,8 @@ typedef struct {
                                * [tile][sb][2][TILE]: the first 16 channels' for the TILE rows, then the last 16's */
     uint16_t *d256;           /* bits 6: the super-block scale d per row (the file's float16),
                                * [tile][k / 256][TILE] (k_fig_at) */
-    uint8_t *ksc;             /* 4-bit tiles of GGUF's Q4_K, its figures as the file has them instead of s32 / mins32:
-                               * 6-bit scales then mins per sub-block ([kv_figures] each), */
-    uint16_t *kd;             /* and d then dmin per super-block, the file's float16 ([kv_figures / 8] each,
-                               * k_fig_at); NULL otherwise */
+    uint8_t *ksc;             /* 4-bit tiles of GGUF's Q4_K: its figures as the file has them instead of s32 / mins32,
+                               * a record per tile and super-block (k_rec); NULL otherwise */
 } kv_linear;
 
 /* Per-sub-block figures (scales, zero points, activation scales) are stored per row with a stride of
@@ -175,9 +173,17 @@ size_t kv_figures(int n, int k, int bits) {
     return tiles(bits) ? (size_t)((n + TILE - 1) / TILE * TILE) * (k / SB) : (size_t)n * sub_stride(k);
 }
 
-/* where row n's d (and, kv_figures / 8 further, dmin) of super-block sb / 8 is, for ksc and 6-bit tiles */
+/* where row n's d of super-block sb / 8 is, for 6-bit tiles */
 static inline size_t k_fig_at(const kv_linear *l, int n, int sb) {
     return ((size_t)(n / TILE) * (l->k / 256) + sb / 8) * TILE + n % TILE;
+}
+
+/* A Q4_K tile's figures of a super-block are one record, so that they stream beside the nibbles as one: its 8
+ * sub-blocks' 6-bit scales [sb % 8][TILE], their mins alike, then the rows' d and dmin [TILE] each (the file's
+ * float16). K_REC bytes, kv_figures * K_REC / (8 * TILE) a linear. */
+enum { K_SC = 0, K_MIN = 8 * TILE, K_D = 16 * TILE, K_DMIN = 18 * TILE, K_REC = 20 * TILE };
+static inline uint8_t *k_rec(const kv_linear *l, int n, int sb) {
+    return l->ksc + ((size_t)(n / TILE) * (l->k / 256) + sb / 8) * K_REC;
 }
 
 /* where an activation row's figures (scale, sum) of sub-block sb are, for a linear of `bits` */
@@ -283,14 +289,24 @@ static inline int affine(const kv_linear *l) { return l->ksc || l->s32 || l->min
 /* row n's scale of sub-block sb as float32 (a Q4_K tile's d * sc, computed as the file's dequantizer does) */
 static inline float fig_scale(const kv_linear *l, int n, int sb) {
     size_t f = fig_at(l, n, sb);
-    if (l->ksc) return half_to_float(l->kd[k_fig_at(l, n, sb)]) * (float)l->ksc[f];
+    if (l->ksc) {
+        const uint8_t *r = k_rec(l, n, sb);
+        uint16_t d;
+        memcpy(&d, r + K_D + 2 * (n % TILE), 2);
+        return half_to_float(d) * (float)r[K_SC + sb % 8 * TILE + n % TILE];
+    }
     return l->s32 ? l->s32[f] : half_to_float(l->s[f]);
 }
 
 /* row n's min of sub-block sb for an affine linear (a Q4_K tile's -(dmin * m)), else its zero point */
 static inline float fig_min(const kv_linear *l, int n, int sb) {
-    size_t f = fig_at(l, n, sb), figs = kv_figures(l->n, l->k, l->bits);
-    if (l->ksc) return -(half_to_float(l->kd[figs / 8 + k_fig_at(l, n, sb)]) * (float)l->ksc[figs + f]);
+    size_t f = fig_at(l, n, sb);
+    if (l->ksc) {
+        const uint8_t *r = k_rec(l, n, sb);
+        uint16_t dmin;
+        memcpy(&dmin, r + K_DMIN + 2 * (n % TILE), 2);
+        return -(half_to_float(dmin) * (float)r[K_MIN + sb % 8 * TILE + n % TILE]);
+    }
     if (l->s32) return l->mins32[f];
     if (l->mins) return half_to_float(l->mins[f]);
     return l->sym ? l->zsym : (float)l->z[f];
@@ -431,9 +447,9 @@ static inline __attribute__((always_inline)) void gg_pack_unit(kv_linear *l, con
                 l->sc16[at] = (int8_t)k6[0], l->sc16[at + TILE] = (int8_t)k6[1];
                 if (sb % 8 == 0) l->d256[k_fig_at(l, n, sb)] = kdd[0];
             } else if (l->ksc) { /* Q4_K: the file's 6-bit scale and min, d and dmin once a super-block */
-                size_t figs = kv_figures(l->n, l->k, 4), kf = k_fig_at(l, n, sb);
-                l->ksc[f] = (uint8_t)k6[0], l->ksc[figs + f] = (uint8_t)k6[1];
-                if (sb % 8 == 0) l->kd[kf] = kdd[0], l->kd[figs / 8 + kf] = kdd[1];
+                uint8_t *r = k_rec(l, n, sb);
+                r[K_SC + sb % 8 * TILE + n % TILE] = (uint8_t)k6[0], r[K_MIN + sb % 8 * TILE + n % TILE] = (uint8_t)k6[1];
+                if (sb % 8 == 0) memcpy(r + K_D + 2 * (n % TILE), &kdd[0], 2), memcpy(r + K_DMIN + 2 * (n % TILE), &kdd[1], 2);
             } else if (l->s32) {
                 l->s32[f] = s32, l->mins32[f] = m32;
             } else {
@@ -449,14 +465,14 @@ static inline __attribute__((always_inline)) void gg_pack_unit(kv_linear *l, con
         }
 }
 
-/* Pack l (n, k, bits, sym / zsym and its buffers set by the caller: q, and s (+ mins), s32 + mins32, ksc + kd or
+/* Pack l (n, k, bits, sym / zsym and its buffers set by the caller: q, and s (+ mins), s32 + mins32, ksc or
  * sc16 + d256, of kv_figures) from GGUF rows of one type: rows[r] is where row r's blocks start (any order: the
  * caller undoes a permutation or joins tensors that way). Rows past n, in the last tile, are zero. */
 int kv_pack_gguf(kv_linear *l, int type, const uint8_t *const *rows, int threads) {
     if (type < 0 || type >= GG_TYPES || l->k % gg_type[type].block || l->w) return -1;
     int bits = type == GG_Q6_K ? 6 : type == GG_Q4_0 || type == GG_Q4_1 || type == GG_Q4_K ? 4 : 8;
     if (l->bits != bits || (type == GG_Q6_K) != (l->sc16 && l->d256)) return -1;
-    if ((type == GG_Q4_K) != (l->ksc != NULL) || (l->ksc && !l->kd)) return -1;
+    if ((type == GG_Q4_K) != (l->ksc != NULL)) return -1;
     int nsb = l->k / SB, per = tiled(l) ? TILE : 1, units = (l->n + per - 1) / per;
 #pragma omp parallel num_threads(threads)
     {
@@ -736,10 +752,8 @@ static inline void fetch_rows(const kv_linear *l, int n0, int n1) {
         fetch_span(l->sc16 + 2 * at, 2 * figs), fetch_span(l->d256 + at / 8, sizeof(uint16_t) * figs / 8);
         return;
     }
-    if (l->ksc) {
-        size_t all = kv_figures(l->n, l->k, 4);
-        fetch_span(l->ksc + at, figs), fetch_span(l->ksc + all + at, figs);
-        fetch_span(l->kd + at / 8, sizeof(uint16_t) * figs / 8), fetch_span(l->kd + all / 8 + at / 8, sizeof(uint16_t) * figs / 8);
+    if (l->ksc) { /* a record per 8 * TILE figures */
+        fetch_span(l->ksc + at / (8 * TILE) * K_REC, (figs + 8 * TILE - 1) / (8 * TILE) * K_REC);
         return;
     }
     if (l->s32) {
@@ -947,7 +961,7 @@ typedef struct {
 #define MOD(f) KV_FIELD(kv_model, f)
 static const kv_layout_entry kv_layout_table[] = {
     KV_STRUCT(kv_linear), LIN(n), LIN(k), LIN(bits), LIN(sym), LIN(zsym), LIN(q), LIN(s), LIN(z), LIN(mins), LIN(w),
-    LIN(bias), LIN(planes), LIN(s32), LIN(mins32), LIN(sc16), LIN(d256), LIN(ksc), LIN(kd),
+    LIN(bias), LIN(planes), LIN(s32), LIN(mins32), LIN(sc16), LIN(d256), LIN(ksc),
     KV_STRUCT(kv_layer), LAY(attn_norm), LAY(mlp_norm), LAY(q_norm), LAY(k_norm), LAY(post_attn_norm),
     LAY(post_mlp_norm), LAY(qkv), LAY(o), LAY(up), LAY(down), LAY(window), LAY(k_cache), LAY(v_cache), LAY(k_scale),
     LAY(v_scale), LAY(k_inv), LAY(v_inv), LAY(cos), LAY(sin), LAY(qkv_tail),
