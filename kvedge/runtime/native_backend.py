@@ -50,7 +50,7 @@ class Linear(ctypes.Structure):
                 ("zsym", ctypes.c_float), ("q", ctypes.c_void_p), ("s", ctypes.c_void_p), ("z", ctypes.c_void_p),
                 ("mins", ctypes.c_void_p), ("w", ctypes.c_void_p), ("bias", ctypes.c_void_p), ("planes", ctypes.c_int32),
                 ("s32", ctypes.c_void_p), ("mins32", ctypes.c_void_p), ("sc16", ctypes.c_void_p),
-                ("d256", ctypes.c_void_p), ("ksc", ctypes.c_void_p)]
+                ("ksc", ctypes.c_void_p)]
 
 
 class Layer(ctypes.Structure):
@@ -310,11 +310,12 @@ def pack_gguf(dll: ctypes.CDLL, kind: str, rows: np.ndarray, k: int, keep: _Keep
     lin = Linear(n=n, k=k, bits=bits, sym=int(not affine), zsym=float(zero or 2 ** (bits - 1)), bias=bias,
                  planes=ACTIVATIONS[activations],
                  q=keep(torch.empty({4: 16 * figs, 6: 24 * figs}.get(bits, n * k), dtype=torch.uint8)))
-    if kind == "Q6_K":  # int8 scales per 16 channels, the file's float16 d per 256
-        lin.sc16, lin.d256 = (keep(torch.empty(2 * figs, dtype=torch.int8)),
-                              keep(torch.empty(figs // 8, dtype=torch.int16)))
-    elif kind == "Q4_K":  # the file's 6-bit scales and mins, float16 d and dmin: d * sc computed in the kernel
-        lin.ksc = keep(torch.empty(figs * 5 // 2, dtype=torch.uint8))  # a 160-byte record per 8 rows and 256
+    # K-quants keep the file's figures, a record per 8 rows and 256 channels (k_rec): Q6_K's int8 scales per 16
+    # channels and float16 d (144 bytes), Q4_K's 6-bit scales and mins and float16 d, dmin (160 bytes)
+    if kind == "Q6_K":
+        lin.sc16 = keep(torch.empty(figs * 144 // 64, dtype=torch.uint8))
+    elif kind == "Q4_K":
+        lin.ksc = keep(torch.empty(figs * 160 // 64, dtype=torch.uint8))
     elif kind.endswith("_K"):  # float32 d * sc and dmin * m
         lin.s32, lin.mins32 = keep(torch.empty(figs)), keep(torch.empty(figs))
     else:

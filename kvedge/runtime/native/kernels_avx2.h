@@ -379,17 +379,16 @@ static inline __attribute__((always_inline)) void q6_tile_w(const int rm, const 
                                                             const int8_t *const *xq, const float *const *sa,
                                                             const float *const *c, float *out) {
     const int nsb = l->k / SB;
-    const size_t f0 = (size_t)(n0 / TILE) * nsb * TILE;
     const uint8_t *q = l->q + (size_t)(n0 / TILE) * nsb * 6 * 32;
     __m256 acc[TILE_RM];
     for (int j = 0; j < rm; j++) acc[j] = _mm256_setzero_ps();
     for (int sb = 0; sb < nsb; sb++, q += 6 * 32) {
         __m256i da[TILE_RM], db[TILE_RM];
         tile6_sums(rm, q, xq, (size_t)sb * SB, da, db);
-        const int8_t *sc = l->sc16 + 2 * (f0 + (size_t)sb * TILE);
+        const uint8_t *r = k_rec(l, n0, sb), *sc = r + Q6_SC + sb % 8 * 2 * TILE;
         __m256i sca = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)sc));
         __m256i scb = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(sc + TILE)));
-        __m256 d = load_half8(l->d256 + k_fig_at(l, n0, sb));
+        __m256 d = load_half8((const uint16_t *)(r + Q6_D));
         for (int j = 0; j < rm; j++) {
             uint32_t both;
             memcpy(&both, c[j] + sb, 4);

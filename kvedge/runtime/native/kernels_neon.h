@@ -102,12 +102,12 @@ static void qtile(const kv_linear *l, int rm, int n0, const int8_t *const *xq, c
                     da = DOT_LANE(da, lo[2 + h], x0, 2), da = DOT_LANE(da, hi[2 + h], x0, 3);
                     db = DOT_LANE(db, lo[4 + h], x1, 0), db = DOT_LANE(db, hi[4 + h], x1, 1);
                     db = DOT_LANE(db, lo[6 + h], x1, 2), db = DOT_LANE(db, hi[6 + h], x1, 3);
-                    const uint8_t *sc = (const uint8_t *)l->sc16 + 2 * fig_at(l, n0, sb) + 4 * h;
+                    const uint8_t *r = k_rec(l, n0, sb), *sc = r + Q6_SC + sb % 8 * 2 * TILE + 4 * h;
                     int32x4_t sca = vmovl_s16(vget_low_s16(vmovl_s8(vreinterpret_s8_u32(vdup_n_u32(rd32(sc))))));
                     int32x4_t scb = vmovl_s16(vget_low_s16(vmovl_s8(vreinterpret_s8_u32(vdup_n_u32(rd32(sc + TILE))))));
                     int32x4_t isum = vaddq_s32(vmulq_s32(sca, da), vmulq_s32(scb, db));
                     float32x4_t t4 = vmulq_n_f32(vcvtq_f32_s32(isum), sa[j][sb]);
-                    y[j][h] = vaddq_f32(y[j][h], vmulq_f32(t4, half4_to_f32(l->d256 + k_fig_at(l, n0, sb) + 4 * h)));
+                    y[j][h] = vaddq_f32(y[j][h], vmulq_f32(t4, half4_to_f32((const uint16_t *)(r + Q6_D) + 4 * h)));
                 }
             }
             continue;

@@ -19,7 +19,7 @@
  * for K-quants (Q4_K, Q5_K: scale d * sc and min dmin * m, not float16 values), float32 scales and mins
  * (l->s32, l->mins32), or, for Q4_K tiles packed from a file, its own 6-bit figures and d, dmin (l->ksc, k_rec),
  * the same products computed in the kernel. GGUF's Q6_K (a scale per 16 channels) is its own format, bits 6:
- * tiles as the 4-bit ones with a plane of each value's 2 high bits beside them (l->sc16, l->d256; gg_tile_lane).
+ * tiles as the 4-bit ones with a plane of each value's 2 high bits beside them (l->sc16, k_rec; gg_tile_lane).
  * A GGUF file's blocks are packed into these layouts by kv_pack_gguf, and an embedding is looked up in its
  * packed form (kv_weight_rows).
  * For speed, a 4-bit kernel call computes a tile of 8 rows against 1 to 4 activation rows: each weight vector
@@ -120,10 +120,8 @@ typedef struct {
                                * (quantize_row16), which doubles the kernels' multiply-adds, not the weight reads */
     float *s32, *mins32;      /* [kv_figures] an affine linear's float32 scales and mins (kv_pack_affine32)
                                * instead of s and mins; NULL otherwise */
-    int8_t *sc16;             /* bits 6 (GGUF's Q6_K, kv_pack_gguf: 6-bit tiles): the int8 scales per 16 channels,
-                               * [tile][sb][2][TILE]: the first 16 channels' for the TILE rows, then the last 16's */
-    uint16_t *d256;           /* bits 6: the super-block scale d per row (the file's float16),
-                               * [tile][k / 256][TILE] (k_fig_at) */
+    int8_t *sc16;             /* bits 6 (GGUF's Q6_K, kv_pack_gguf: 6-bit tiles): its int8 scales per 16 channels and
+                               * float16 d, a record per tile and super-block (k_rec); NULL otherwise */
     uint8_t *ksc;             /* 4-bit tiles of GGUF's Q4_K: its figures as the file has them instead of s32 / mins32,
                                * a record per tile and super-block (k_rec); NULL otherwise */
 } kv_linear;
@@ -173,17 +171,22 @@ size_t kv_figures(int n, int k, int bits) {
     return tiles(bits) ? (size_t)((n + TILE - 1) / TILE * TILE) * (k / SB) : (size_t)n * sub_stride(k);
 }
 
-/* where row n's d of super-block sb / 8 is, for 6-bit tiles */
-static inline size_t k_fig_at(const kv_linear *l, int n, int sb) {
-    return ((size_t)(n / TILE) * (l->k / 256) + sb / 8) * TILE + n % TILE;
+/* A K-quant tile's figures of a super-block are one record, so that they stream beside the values as one. Q4_K's
+ * (ksc): its 8 sub-blocks' 6-bit scales [sb % 8][TILE], their mins alike, then the rows' d and dmin [TILE] each
+ * (the file's float16), K_REC bytes. Q6_K's (sc16): the int8 scales of each sub-block's two halves
+ * [sb % 8][2][TILE], then the rows' d [TILE], Q6_REC bytes. kv_figures / (8 * TILE) records a linear. */
+enum { K_SC = 0, K_MIN = 8 * TILE, K_D = 16 * TILE, K_DMIN = 18 * TILE, K_REC = 20 * TILE };
+enum { Q6_SC = 0, Q6_D = 16 * TILE, Q6_REC = 18 * TILE };
+static inline uint8_t *k_rec(const kv_linear *l, int n, int sb) {
+    size_t at = (size_t)(n / TILE) * (l->k / 256) + sb / 8;
+    return l->sc16 ? (uint8_t *)l->sc16 + at * Q6_REC : l->ksc + at * K_REC;
 }
 
-/* A Q4_K tile's figures of a super-block are one record, so that they stream beside the nibbles as one: its 8
- * sub-blocks' 6-bit scales [sb % 8][TILE], their mins alike, then the rows' d and dmin [TILE] each (the file's
- * float16). K_REC bytes, kv_figures * K_REC / (8 * TILE) a linear. */
-enum { K_SC = 0, K_MIN = 8 * TILE, K_D = 16 * TILE, K_DMIN = 18 * TILE, K_REC = 20 * TILE };
-static inline uint8_t *k_rec(const kv_linear *l, int n, int sb) {
-    return l->ksc + ((size_t)(n / TILE) * (l->k / 256) + sb / 8) * K_REC;
+/* row n's float16 d of sub-block sb's super-block, for K-quant tiles */
+static inline uint16_t k_d(const kv_linear *l, int n, int sb) {
+    uint16_t d;
+    memcpy(&d, k_rec(l, n, sb) + (l->sc16 ? Q6_D : K_D) + 2 * (n % TILE), 2);
+    return d;
 }
 
 /* where an activation row's figures (scale, sum) of sub-block sb are, for a linear of `bits` */
@@ -191,7 +194,7 @@ static inline int act_slot(int sb, int bits) { return tiles(bits) ? sb : kv_slot
 
 /* row n's int8 scale of channels 32 sb + 16 half .. + 15 (half 0 or 1), for 6-bit tiles */
 static inline int q6_scale(const kv_linear *l, int n, int sb, int half) {
-    return l->sc16[2 * (fig_at(l, n, sb) - n % TILE) + TILE * half + n % TILE];
+    return (int8_t)k_rec(l, n, sb)[Q6_SC + (sb % 8 * 2 + half) * TILE + n % TILE];
 }
 
 /* row n's unsigned values of sub-block sb from its tile (4 or 6 bits): lane n % TILE of the tile's 4 vectors,
@@ -289,12 +292,7 @@ static inline int affine(const kv_linear *l) { return l->ksc || l->s32 || l->min
 /* row n's scale of sub-block sb as float32 (a Q4_K tile's d * sc, computed as the file's dequantizer does) */
 static inline float fig_scale(const kv_linear *l, int n, int sb) {
     size_t f = fig_at(l, n, sb);
-    if (l->ksc) {
-        const uint8_t *r = k_rec(l, n, sb);
-        uint16_t d;
-        memcpy(&d, r + K_D + 2 * (n % TILE), 2);
-        return half_to_float(d) * (float)r[K_SC + sb % 8 * TILE + n % TILE];
-    }
+    if (l->ksc) return half_to_float(k_d(l, n, sb)) * (float)k_rec(l, n, sb)[K_SC + sb % 8 * TILE + n % TILE];
     return l->s32 ? l->s32[f] : half_to_float(l->s[f]);
 }
 
@@ -443,9 +441,9 @@ static inline __attribute__((always_inline)) void gg_pack_unit(kv_linear *l, con
                 gg_sub_block(type, rows[n], sb, v, &s16, &m16, &s32, &m32);
             size_t f = fig_at(l, n, sb);
             if (l->sc16) { /* Q6_K: the int8 scales of the sub-block's halves, d once a super-block */
-                size_t at = 2 * (f - n % TILE) + n % TILE;
-                l->sc16[at] = (int8_t)k6[0], l->sc16[at + TILE] = (int8_t)k6[1];
-                if (sb % 8 == 0) l->d256[k_fig_at(l, n, sb)] = kdd[0];
+                uint8_t *r = k_rec(l, n, sb);
+                r[Q6_SC + sb % 8 * 2 * TILE + n % TILE] = (uint8_t)k6[0], r[Q6_SC + (sb % 8 * 2 + 1) * TILE + n % TILE] = (uint8_t)k6[1];
+                if (sb % 8 == 0) memcpy(r + Q6_D + 2 * (n % TILE), &kdd[0], 2);
             } else if (l->ksc) { /* Q4_K: the file's 6-bit scale and min, d and dmin once a super-block */
                 uint8_t *r = k_rec(l, n, sb);
                 r[K_SC + sb % 8 * TILE + n % TILE] = (uint8_t)k6[0], r[K_MIN + sb % 8 * TILE + n % TILE] = (uint8_t)k6[1];
@@ -466,12 +464,12 @@ static inline __attribute__((always_inline)) void gg_pack_unit(kv_linear *l, con
 }
 
 /* Pack l (n, k, bits, sym / zsym and its buffers set by the caller: q, and s (+ mins), s32 + mins32, ksc or
- * sc16 + d256, of kv_figures) from GGUF rows of one type: rows[r] is where row r's blocks start (any order: the
+ * sc16, of kv_figures) from GGUF rows of one type: rows[r] is where row r's blocks start (any order: the
  * caller undoes a permutation or joins tensors that way). Rows past n, in the last tile, are zero. */
 int kv_pack_gguf(kv_linear *l, int type, const uint8_t *const *rows, int threads) {
     if (type < 0 || type >= GG_TYPES || l->k % gg_type[type].block || l->w) return -1;
     int bits = type == GG_Q6_K ? 6 : type == GG_Q4_0 || type == GG_Q4_1 || type == GG_Q4_K ? 4 : 8;
-    if (l->bits != bits || (type == GG_Q6_K) != (l->sc16 && l->d256)) return -1;
+    if (l->bits != bits || (type == GG_Q6_K) != (l->sc16 != NULL)) return -1;
     if ((type == GG_Q4_K) != (l->ksc != NULL)) return -1;
     int nsb = l->k / SB, per = tiled(l) ? TILE : 1, units = (l->n + per - 1) / per;
 #pragma omp parallel num_threads(threads)
@@ -517,7 +515,7 @@ void kv_weight_rows(const kv_linear *l, int count, const int64_t *ids, float sca
             if (tiled(l)) {
                 tile_lane(l, (int)n, sb, v);
                 if (l->sc16) { /* (d * sc) * (q - 32), as gguf's dequantizer */
-                    float d = half_to_float(l->d256[k_fig_at(l, (int)n, sb)]);
+                    float d = half_to_float(k_d(l, (int)n, sb));
                     for (int e = 0; e < SB; e++) {
                         float s = d * (float)q6_scale(l, (int)n, sb, e / 16); /* exact: 11 bits times 8 */
                         o[sb * SB + e] = s * (float)(v[e] - 32) * scale;
@@ -748,12 +746,9 @@ static inline void fetch_rows(const kv_linear *l, int n0, int n1) {
     size_t rb = row_bytes(l), per = tiled(l) ? (size_t)l->k / SB : (size_t)sub_stride(l->k);
     size_t at = (size_t)n0 * per, figs = (size_t)(n1 - n0) * per; /* a tile's figures follow the one before */
     fetch_span(l->q + (size_t)n0 * rb, (size_t)(n1 - n0) * rb);
-    if (l->sc16) {
-        fetch_span(l->sc16 + 2 * at, 2 * figs), fetch_span(l->d256 + at / 8, sizeof(uint16_t) * figs / 8);
-        return;
-    }
-    if (l->ksc) { /* a record per 8 * TILE figures */
-        fetch_span(l->ksc + at / (8 * TILE) * K_REC, (figs + 8 * TILE - 1) / (8 * TILE) * K_REC);
+    if (l->sc16 || l->ksc) { /* a record per 8 * TILE figures */
+        size_t rec = l->sc16 ? Q6_REC : K_REC;
+        fetch_span(k_rec(l, n0, 0), (figs + 8 * TILE - 1) / (8 * TILE) * rec);
         return;
     }
     if (l->s32) {
@@ -961,7 +956,7 @@ typedef struct {
 #define MOD(f) KV_FIELD(kv_model, f)
 static const kv_layout_entry kv_layout_table[] = {
     KV_STRUCT(kv_linear), LIN(n), LIN(k), LIN(bits), LIN(sym), LIN(zsym), LIN(q), LIN(s), LIN(z), LIN(mins), LIN(w),
-    LIN(bias), LIN(planes), LIN(s32), LIN(mins32), LIN(sc16), LIN(d256), LIN(ksc),
+    LIN(bias), LIN(planes), LIN(s32), LIN(mins32), LIN(sc16), LIN(ksc),
     KV_STRUCT(kv_layer), LAY(attn_norm), LAY(mlp_norm), LAY(q_norm), LAY(k_norm), LAY(post_attn_norm),
     LAY(post_mlp_norm), LAY(qkv), LAY(o), LAY(up), LAY(down), LAY(window), LAY(k_cache), LAY(v_cache), LAY(k_scale),
     LAY(v_scale), LAY(k_inv), LAY(v_inv), LAY(cos), LAY(sin), LAY(qkv_tail),
