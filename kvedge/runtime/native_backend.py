@@ -186,6 +186,8 @@ def compile_engine(flags: tuple[str, ...] = FLAGS, cache_dir: str | Path | None 
     check_layout(dll)
     dll.kv_figures.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int]
     dll.kv_figures.restype = ctypes.c_size_t
+    dll.kv_record_bytes.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int]
+    dll.kv_record_bytes.restype = ctypes.c_size_t
     dll.kv_pack_tiles.argtypes = [ctypes.POINTER(Linear), ctypes.c_void_p, ctypes.c_void_p]
     dll.kv_pack.argtypes = [ctypes.POINTER(Linear), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
     dll.kv_pack_mins.argtypes = [ctypes.POINTER(Linear), ctypes.c_void_p, ctypes.c_int]
@@ -311,11 +313,10 @@ def pack_gguf(dll: ctypes.CDLL, kind: str, rows: np.ndarray, k: int, keep: _Keep
                  planes=ACTIVATIONS[activations],
                  q=keep(torch.empty({4: 16 * figs, 6: 24 * figs}.get(bits, n * k), dtype=torch.uint8)))
     # K-quants keep the file's figures, a record per 8 rows and 256 channels (k_rec): Q6_K's int8 scales per 16
-    # channels and float16 d (144 bytes), Q4_K's 6-bit scales and mins and float16 d, dmin (160 bytes)
-    if kind == "Q6_K":
-        lin.sc16 = keep(torch.empty(figs * 144 // 64, dtype=torch.uint8))
-    elif kind == "Q4_K":
-        lin.ksc = keep(torch.empty(figs * 160 // 64, dtype=torch.uint8))
+    # channels and float16 d, Q4_K's 6-bit scales and mins and float16 d, dmin
+    if kind in ("Q6_K", "Q4_K"):
+        records = keep(torch.empty(dll.kv_record_bytes(n, k, GGUF_TYPES[kind]), dtype=torch.uint8))
+        lin.sc16, lin.ksc = (records, None) if kind == "Q6_K" else (None, records)
     elif kind.endswith("_K"):  # float32 d * sc and dmin * m
         lin.s32, lin.mins32 = keep(torch.empty(figs)), keep(torch.empty(figs))
     else:

@@ -72,3 +72,14 @@ def test_a_wrong_nested_size_shows_in_the_structs_that_hold_it(engine):
         (f, bad if t is Linear else t) for f, t in Layer._fields_]})
     with pytest.raises(KvedgeError, match=r"mirror BadLayer disagree in size: .*at field qkv: C size 112, ctypes 104"):
         check_layout(engine, (lay,))
+
+
+@pytest.mark.parametrize("kind,per_256", [("Q4_K", 20), ("Q6_K", 18), ("Q4_0", 0), ("Q8_0", 0)])
+def test_the_k_quant_records_hold_each_rows_figures_of_256_channels(engine, kind, per_256):
+    """pack_gguf allocates kv_record_bytes for a K-quant's figures: per row (rows padded to the tiles' 8) and
+    256 channels, Q4_K's 8 scales, 8 mins and float16 d, dmin (20 bytes), Q6_K's 16 int8 scales and float16 d
+    (18 bytes, ggml-common.h's block_q6_k without its values); other types have none."""
+    from kvedge.runtime.native_backend import GGUF_TYPES
+
+    for n, k in ((13, 512), (8, 256), (49152, 2048)):
+        assert engine.kv_record_bytes(n, k, GGUF_TYPES[kind]) == (n + 7) // 8 * 8 * (k // 256) * per_256

@@ -31,7 +31,7 @@ static float qdot_one(const kv_linear *l, int n, const int8_t *xq, const float *
                 int da = 0, db = 0;
                 for (int e = 0; e < 16; e++) da += (v[e] - 32) * xq[sb * SB + e], db += (v[16 + e] - 32) * xq[sb * SB + 16 + e];
                 int isum = q6_scale(l, n, sb, 0) * da + q6_scale(l, n, sb, 1) * db;
-                y += (float)isum * sa[sb] * half_to_float(k_d(l, n, sb));
+                y += (float)isum * sa[sb] * half_to_float(k_half(l, n, sb, Q6_D));
                 continue;
             }
             for (int e = 0; e < SB; e++) d += v[e] * xq[sb * SB + e];

@@ -182,12 +182,13 @@ static inline uint8_t *k_rec(const kv_linear *l, int n, int sb) {
     return l->sc16 ? (uint8_t *)l->sc16 + at * Q6_REC : l->ksc + at * K_REC;
 }
 
-/* row n's float16 d of sub-block sb's super-block, for K-quant tiles */
-static inline uint16_t k_d(const kv_linear *l, int n, int sb) {
-    uint16_t d;
-    memcpy(&d, k_rec(l, n, sb) + (l->sc16 ? Q6_D : K_D) + 2 * (n % TILE), 2);
-    return d;
+/* row n's float16 at `at` (K_D, K_DMIN or Q6_D) of the record of sub-block sb's super-block */
+static inline uint16_t k_half(const kv_linear *l, int n, int sb, int at) {
+    uint16_t h;
+    memcpy(&h, k_rec(l, n, sb) + at + 2 * (n % TILE), 2);
+    return h;
 }
+
 
 /* where an activation row's figures (scale, sum) of sub-block sb are, for a linear of `bits` */
 static inline int act_slot(int sb, int bits) { return tiles(bits) ? sb : kv_slot(sb); }
@@ -292,19 +293,14 @@ static inline int affine(const kv_linear *l) { return l->ksc || l->s32 || l->min
 /* row n's scale of sub-block sb as float32 (a Q4_K tile's d * sc, computed as the file's dequantizer does) */
 static inline float fig_scale(const kv_linear *l, int n, int sb) {
     size_t f = fig_at(l, n, sb);
-    if (l->ksc) return half_to_float(k_d(l, n, sb)) * (float)k_rec(l, n, sb)[K_SC + sb % 8 * TILE + n % TILE];
+    if (l->ksc) return half_to_float(k_half(l, n, sb, K_D)) * (float)k_rec(l, n, sb)[K_SC + sb % 8 * TILE + n % TILE];
     return l->s32 ? l->s32[f] : half_to_float(l->s[f]);
 }
 
 /* row n's min of sub-block sb for an affine linear (a Q4_K tile's -(dmin * m)), else its zero point */
 static inline float fig_min(const kv_linear *l, int n, int sb) {
     size_t f = fig_at(l, n, sb);
-    if (l->ksc) {
-        const uint8_t *r = k_rec(l, n, sb);
-        uint16_t dmin;
-        memcpy(&dmin, r + K_DMIN + 2 * (n % TILE), 2);
-        return -(half_to_float(dmin) * (float)r[K_MIN + sb % 8 * TILE + n % TILE]);
-    }
+    if (l->ksc) return -(half_to_float(k_half(l, n, sb, K_DMIN)) * (float)k_rec(l, n, sb)[K_MIN + sb % 8 * TILE + n % TILE]);
     if (l->s32) return l->mins32[f];
     if (l->mins) return half_to_float(l->mins[f]);
     return l->sym ? l->zsym : (float)l->z[f];
@@ -317,6 +313,13 @@ enum { GG_Q8_0, GG_Q4_0, GG_Q4_1, GG_Q5_0, GG_Q5_1, GG_Q4_K, GG_Q5_K, GG_Q6_K, G
 static const struct {
     int block, bytes;
 } gg_type[GG_TYPES] = {{32, 34}, {32, 18}, {32, 20}, {32, 22}, {32, 24}, {256, 144}, {256, 176}, {256, 210}};
+
+/* bytes of the records of a Q4_K or Q6_K linear of n rows and k inputs (type: GG_Q4_K or GG_Q6_K's code, the
+ * Python side's GGUF_TYPES), 0 for another type: for the Python side */
+size_t kv_record_bytes(int n, int k, int type) {
+    if (type != GG_Q4_K && type != GG_Q6_K) return 0;
+    return kv_figures(n, k, 4) / (8 * TILE) * (type == GG_Q4_K ? K_REC : Q6_REC);
+}
 
 static inline uint16_t rd16(const uint8_t *p) {
     uint16_t v;
@@ -463,8 +466,8 @@ static inline __attribute__((always_inline)) void gg_pack_unit(kv_linear *l, con
         }
 }
 
-/* Pack l (n, k, bits, sym / zsym and its buffers set by the caller: q, and s (+ mins), s32 + mins32, ksc or
- * sc16, of kv_figures) from GGUF rows of one type: rows[r] is where row r's blocks start (any order: the
+/* Pack l (n, k, bits, sym / zsym and its buffers set by the caller: q, and s (+ mins) or s32 + mins32 of
+ * kv_figures, or ksc or sc16 of kv_record_bytes) from GGUF rows of one type: rows[r] is where row r's blocks start (any order: the
  * caller undoes a permutation or joins tensors that way). Rows past n, in the last tile, are zero. */
 int kv_pack_gguf(kv_linear *l, int type, const uint8_t *const *rows, int threads) {
     if (type < 0 || type >= GG_TYPES || l->k % gg_type[type].block || l->w) return -1;
@@ -515,7 +518,7 @@ void kv_weight_rows(const kv_linear *l, int count, const int64_t *ids, float sca
             if (tiled(l)) {
                 tile_lane(l, (int)n, sb, v);
                 if (l->sc16) { /* (d * sc) * (q - 32), as gguf's dequantizer */
-                    float d = half_to_float(k_d(l, (int)n, sb));
+                    float d = half_to_float(k_half(l, (int)n, sb, Q6_D));
                     for (int e = 0; e < SB; e++) {
                         float s = d * (float)q6_scale(l, (int)n, sb, e / 16); /* exact: 11 bits times 8 */
                         o[sb * SB + e] = s * (float)(v[e] - 32) * scale;
