@@ -315,8 +315,8 @@ def pack_gguf(dll: ctypes.CDLL, kind: str, rows: np.ndarray, k: int, keep: _Keep
     # K-quants keep the file's figures, a record per 8 rows and 256 channels (k_rec): Q6_K's int8 scales per 16
     # channels and float16 d, Q4_K's 6-bit scales and mins and float16 d, dmin
     if kind in ("Q6_K", "Q4_K"):
-        records = keep(torch.empty(dll.kv_record_bytes(n, k, GGUF_TYPES[kind]), dtype=torch.uint8))
-        lin.sc16, lin.ksc = (records, None) if kind == "Q6_K" else (None, records)
+        setattr(lin, "sc16" if kind == "Q6_K" else "ksc",
+                keep(torch.empty(dll.kv_record_bytes(n, k, GGUF_TYPES[kind]), dtype=torch.uint8)))
     elif kind.endswith("_K"):  # float32 d * sc and dmin * m
         lin.s32, lin.mins32 = keep(torch.empty(figs)), keep(torch.empty(figs))
     else:

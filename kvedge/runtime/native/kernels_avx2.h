@@ -259,10 +259,10 @@ static inline __attribute__((always_inline)) void qtile_w(const int aff, const i
 #define HALF16(p) _mm512_cvtph_ps(two ? _mm256_loadu_si256((const __m256i *)(p)) : _mm256_maskz_loadu_epi16(mk, (p)))
 #define F32X16(p) (two ? _mm512_loadu_ps(p) : _mm512_maskz_loadu_ps(mk, (p)))
         __m512 w = aff == 3 ? _mm512_mul_ps(_mm512_broadcast_f32x8(load_half8((const uint16_t *)(kr + K_D))),
-                                            U8X16(kr + K_SC + sb % 8 * TILE))
+                                            U8X16(kr + K_SC + k_lane(n0, sb)))
                    : aff == 2 ? F32X16(l->s32 + f) : HALF16(l->s + f);
         __m512 mn = aff == 3 ? _mm512_xor_ps(_mm512_mul_ps(_mm512_broadcast_f32x8(load_half8((const uint16_t *)(kr + K_DMIN))),
-                                                           U8X16(kr + K_MIN + sb % 8 * TILE)), _mm512_set1_ps(-0.f))
+                                                           U8X16(kr + K_MIN + k_lane(n0, sb))), _mm512_set1_ps(-0.f))
                     : aff == 2 ? F32X16(l->mins32 + f)
                     : aff == 1 ? HALF16(l->mins + f)
                     : l->sym   ? zs16
@@ -295,10 +295,10 @@ static inline __attribute__((always_inline)) void qtile_w(const int aff, const i
         tile_sums(rm, q, xq, (size_t)sb * SB, d);
         const size_t f = f0 + (size_t)sb * TILE;
         const uint8_t *kr = aff == 3 ? k_rec(l, n0, sb) : NULL;
-        __m256 w = aff == 3 ? _mm256_mul_ps(load_half8((const uint16_t *)(kr + K_D)), load_u8x8(kr + K_SC + sb % 8 * TILE))
+        __m256 w = aff == 3 ? _mm256_mul_ps(load_half8((const uint16_t *)(kr + K_D)), load_u8x8(kr + K_SC + k_lane(n0, sb)))
                    : aff == 2 ? _mm256_loadu_ps(l->s32 + f) : load_half8(l->s + f);
         __m256 mn = aff == 3 ? _mm256_xor_ps(_mm256_mul_ps(load_half8((const uint16_t *)(kr + K_DMIN)),
-                                                           load_u8x8(kr + K_MIN + sb % 8 * TILE)),
+                                                           load_u8x8(kr + K_MIN + k_lane(n0, sb))),
                                              _mm256_set1_ps(-0.f)) /* -(dmin * m), as the packer of s32 */
                     : aff == 2 ? _mm256_loadu_ps(l->mins32 + f) /* the mins, or the zero points */
                     : aff == 1 ? load_half8(l->mins + f)
@@ -385,7 +385,7 @@ static inline __attribute__((always_inline)) void q6_tile_w(const int rm, const 
     for (int sb = 0; sb < nsb; sb++, q += 6 * 32) {
         __m256i da[TILE_RM], db[TILE_RM];
         tile6_sums(rm, q, xq, (size_t)sb * SB, da, db);
-        const uint8_t *r = k_rec(l, n0, sb), *sc = r + Q6_SC + sb % 8 * 2 * TILE;
+        const uint8_t *r = k_rec(l, n0, sb), *sc = r + Q6_SC + q6_lane(n0, sb, 0);
         __m256i sca = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)sc));
         __m256i scb = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(sc + TILE)));
         __m256 d = load_half8((const uint16_t *)(r + Q6_D));

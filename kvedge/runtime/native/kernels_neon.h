@@ -49,8 +49,8 @@ static inline void tile_figures(const kv_linear *l, int n0, int sb, int i, float
     size_t f = fig_at(l, n0, sb) + i;
     if (l->ksc) {
         const uint8_t *r = k_rec(l, n0, sb);
-        *w = vmulq_f32(half4_to_f32((const uint16_t *)(r + K_D) + i), u8x4_to_f32(r + K_SC + sb % 8 * TILE + i));
-        *mz = vnegq_f32(vmulq_f32(half4_to_f32((const uint16_t *)(r + K_DMIN) + i), u8x4_to_f32(r + K_MIN + sb % 8 * TILE + i)));
+        *w = vmulq_f32(half4_to_f32((const uint16_t *)(r + K_D) + i), u8x4_to_f32(r + K_SC + k_lane(n0, sb) + i));
+        *mz = vnegq_f32(vmulq_f32(half4_to_f32((const uint16_t *)(r + K_DMIN) + i), u8x4_to_f32(r + K_MIN + k_lane(n0, sb) + i)));
         return;
     }
     *w = l->s32 ? vld1q_f32(l->s32 + f) : half4_to_f32(l->s + f);
@@ -102,7 +102,7 @@ static void qtile(const kv_linear *l, int rm, int n0, const int8_t *const *xq, c
                     da = DOT_LANE(da, lo[2 + h], x0, 2), da = DOT_LANE(da, hi[2 + h], x0, 3);
                     db = DOT_LANE(db, lo[4 + h], x1, 0), db = DOT_LANE(db, hi[4 + h], x1, 1);
                     db = DOT_LANE(db, lo[6 + h], x1, 2), db = DOT_LANE(db, hi[6 + h], x1, 3);
-                    const uint8_t *r = k_rec(l, n0, sb), *sc = r + Q6_SC + sb % 8 * 2 * TILE + 4 * h;
+                    const uint8_t *r = k_rec(l, n0, sb), *sc = r + Q6_SC + q6_lane(n0, sb, 0) + 4 * h;
                     int32x4_t sca = vmovl_s16(vget_low_s16(vmovl_s8(vreinterpret_s8_u32(vdup_n_u32(rd32(sc))))));
                     int32x4_t scb = vmovl_s16(vget_low_s16(vmovl_s8(vreinterpret_s8_u32(vdup_n_u32(rd32(sc + TILE))))));
                     int32x4_t isum = vaddq_s32(vmulq_s32(sca, da), vmulq_s32(scb, db));

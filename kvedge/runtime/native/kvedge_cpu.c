@@ -182,6 +182,11 @@ static inline uint8_t *k_rec(const kv_linear *l, int n, int sb) {
     return l->sc16 ? (uint8_t *)l->sc16 + at * Q6_REC : l->ksc + at * K_REC;
 }
 
+/* where row n's byte of sub-block sb is in its record: a Q4_K scale or min (after K_SC or K_MIN), a Q6_K half's
+ * scale (after Q6_SC) */
+static inline int k_lane(int n, int sb) { return sb % 8 * TILE + n % TILE; }
+static inline int q6_lane(int n, int sb, int half) { return (sb % 8 * 2 + half) * TILE + n % TILE; }
+
 /* row n's float16 at `at` (K_D, K_DMIN or Q6_D) of the record of sub-block sb's super-block */
 static inline uint16_t k_half(const kv_linear *l, int n, int sb, int at) {
     uint16_t h;
@@ -195,7 +200,7 @@ static inline int act_slot(int sb, int bits) { return tiles(bits) ? sb : kv_slot
 
 /* row n's int8 scale of channels 32 sb + 16 half .. + 15 (half 0 or 1), for 6-bit tiles */
 static inline int q6_scale(const kv_linear *l, int n, int sb, int half) {
-    return (int8_t)k_rec(l, n, sb)[Q6_SC + (sb % 8 * 2 + half) * TILE + n % TILE];
+    return (int8_t)k_rec(l, n, sb)[Q6_SC + q6_lane(n, sb, half)];
 }
 
 /* row n's unsigned values of sub-block sb from its tile (4 or 6 bits): lane n % TILE of the tile's 4 vectors,
@@ -293,14 +298,14 @@ static inline int affine(const kv_linear *l) { return l->ksc || l->s32 || l->min
 /* row n's scale of sub-block sb as float32 (a Q4_K tile's d * sc, computed as the file's dequantizer does) */
 static inline float fig_scale(const kv_linear *l, int n, int sb) {
     size_t f = fig_at(l, n, sb);
-    if (l->ksc) return half_to_float(k_half(l, n, sb, K_D)) * (float)k_rec(l, n, sb)[K_SC + sb % 8 * TILE + n % TILE];
+    if (l->ksc) return half_to_float(k_half(l, n, sb, K_D)) * (float)k_rec(l, n, sb)[K_SC + k_lane(n, sb)];
     return l->s32 ? l->s32[f] : half_to_float(l->s[f]);
 }
 
 /* row n's min of sub-block sb for an affine linear (a Q4_K tile's -(dmin * m)), else its zero point */
 static inline float fig_min(const kv_linear *l, int n, int sb) {
     size_t f = fig_at(l, n, sb);
-    if (l->ksc) return -(half_to_float(k_half(l, n, sb, K_DMIN)) * (float)k_rec(l, n, sb)[K_MIN + sb % 8 * TILE + n % TILE]);
+    if (l->ksc) return -(half_to_float(k_half(l, n, sb, K_DMIN)) * (float)k_rec(l, n, sb)[K_MIN + k_lane(n, sb)]);
     if (l->s32) return l->mins32[f];
     if (l->mins) return half_to_float(l->mins[f]);
     return l->sym ? l->zsym : (float)l->z[f];
@@ -445,12 +450,13 @@ static inline __attribute__((always_inline)) void gg_pack_unit(kv_linear *l, con
             size_t f = fig_at(l, n, sb);
             if (l->sc16) { /* Q6_K: the int8 scales of the sub-block's halves, d once a super-block */
                 uint8_t *r = k_rec(l, n, sb);
-                r[Q6_SC + sb % 8 * 2 * TILE + n % TILE] = (uint8_t)k6[0], r[Q6_SC + (sb % 8 * 2 + 1) * TILE + n % TILE] = (uint8_t)k6[1];
+                r[Q6_SC + q6_lane(n, sb, 0)] = (uint8_t)k6[0], r[Q6_SC + q6_lane(n, sb, 1)] = (uint8_t)k6[1];
                 if (sb % 8 == 0) memcpy(r + Q6_D + 2 * (n % TILE), &kdd[0], 2);
             } else if (l->ksc) { /* Q4_K: the file's 6-bit scale and min, d and dmin once a super-block */
                 uint8_t *r = k_rec(l, n, sb);
-                r[K_SC + sb % 8 * TILE + n % TILE] = (uint8_t)k6[0], r[K_MIN + sb % 8 * TILE + n % TILE] = (uint8_t)k6[1];
-                if (sb % 8 == 0) memcpy(r + K_D + 2 * (n % TILE), &kdd[0], 2), memcpy(r + K_DMIN + 2 * (n % TILE), &kdd[1], 2);
+                r[K_SC + k_lane(n, sb)] = (uint8_t)k6[0], r[K_MIN + k_lane(n, sb)] = (uint8_t)k6[1];
+                if (sb % 8 == 0)
+                    memcpy(r + K_D + 2 * (n % TILE), &kdd[0], 2), memcpy(r + K_DMIN + 2 * (n % TILE), &kdd[1], 2);
             } else if (l->s32) {
                 l->s32[f] = s32, l->mins32[f] = m32;
             } else {
@@ -467,8 +473,9 @@ static inline __attribute__((always_inline)) void gg_pack_unit(kv_linear *l, con
 }
 
 /* Pack l (n, k, bits, sym / zsym and its buffers set by the caller: q, and s (+ mins) or s32 + mins32 of
- * kv_figures, or ksc or sc16 of kv_record_bytes) from GGUF rows of one type: rows[r] is where row r's blocks start (any order: the
- * caller undoes a permutation or joins tensors that way). Rows past n, in the last tile, are zero. */
+ * kv_figures, or ksc or sc16 of kv_record_bytes) from GGUF rows of one type: rows[r] is where row r's blocks
+ * start (any order: the caller undoes a permutation or joins tensors that way). Rows past n, in the last
+ * tile, are zero. */
 int kv_pack_gguf(kv_linear *l, int type, const uint8_t *const *rows, int threads) {
     if (type < 0 || type >= GG_TYPES || l->k % gg_type[type].block || l->w) return -1;
     int bits = type == GG_Q6_K ? 6 : type == GG_Q4_0 || type == GG_Q4_1 || type == GG_Q4_K ? 4 : 8;
